@@ -1,0 +1,31 @@
+"""The project's user-facing errors. Each carries one message that names what is wrong and where."""
+
+
+class MegatronGRPOError(Exception):
+    """Base class: an error the CLI prints as one line (no traceback) and exits with `exit_code`."""
+
+    exit_code = 1
+
+
+class ConfigError(MegatronGRPOError):
+    """A recipe, override or cross-field check is wrong; raised before anything heavy starts."""
+
+    exit_code = 2
+
+
+class DataError(MegatronGRPOError):
+    """A dataset line or file is malformed; the message names file:line."""
+
+    exit_code = 2
+
+
+class LaunchError(MegatronGRPOError):
+    """The launcher environment (ranks, devices, master address) is missing or inconsistent."""
+
+
+class CheckpointError(MegatronGRPOError):
+    """A checkpoint or HF model folder is missing, incomplete or does not match the config."""
+
+
+class MissingExtraError(MegatronGRPOError, ImportError):
+    """An optional dependency is not installed; the message names the pip extra to install."""

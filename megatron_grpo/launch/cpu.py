@@ -1,0 +1,202 @@
+"""megatron-core on a CPU-only torch build (gloo, no CUDA).
+
+This is the only module in the project that patches megatron-core or torch.cuda. Every patch
+below answers one measured failure of megatron-core 0.16.1 (and 0.19.2) on CPU; see
+shared/reference/megatron-core-on-cpu.md for the traces. `apply_cpu_compat()` is idempotent and
+does nothing when CUDA is available, so GPU runs see an unmodified megatron-core.
+
+What each patch fixes:
+  rng       CudaRNGStatesTracker stores torch.cuda RNG states; every attention forward forks it.
+            We keep megatron's fork/restore semantics on the CPU default generator.
+  device    torch.cuda.current_device() is used to place buffers (RoPE, SP, DDP, p2p).
+  sync      torch.cuda.synchronize() in dist_checkpointing saves and p2p; CPU ops are synchronous.
+  stream    torch.cuda.current_stream() in DDP grad sync (megatron-core >= 0.19).
+  mask      get_default_causal_mask() allocates on "cuda"; it also runs inside backward
+            (activation recompute), where a TorchFunctionMode is not active, so it is patched
+            directly rather than relying on the mode.
+  mode      a TorchFunctionMode that rewrites hard-coded device="cuda" allocations (schedules,
+            optimizer, clip_grads) to CPU, and answers megatron's Tensor.type() string checks
+            ('torch.cuda.FloatTensor') for CPU tensors.
+  sp-norm   the torch norms refuse sequence_parallel; we allow it and tag the params so that
+            finalize_model_grads all-reduces their grads over TP, as TE/apex norms do.
+Plus two helpers for resuming megatron's DistributedOptimizer over torch.optim.AdamW
+(prepare_torch_adam_for_load / fix_torch_adam_step_after_load).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_applied = False
+
+
+def cpu_compat_needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def apply_cpu_compat() -> bool:
+    """Patches megatron-core for CPU once per process. Returns True if the patches are active."""
+    global _applied
+    if _applied:
+        return True
+    if not cpu_compat_needed():
+        return False
+    _patch_rng_tracker()
+    _patch_torch_cuda_functions()
+    _patch_causal_mask()
+    _patch_sequence_parallel_norms()
+    _CudaAllocationsToCpu().__enter__()  # left active for the life of the process
+    _applied = True
+    log.debug("megatron-core CPU compatibility layer applied")
+    return True
+
+
+def _patch_rng_tracker() -> None:
+    import megatron.core.tensor_parallel.random as mrandom
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    def add(self, name, seed):
+        # Same bookkeeping as megatron's tracker, but the state comes from the CPU generator.
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+    mrandom.CudaRNGStatesTracker.add = add
+
+
+class _NullStream:
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return None
+
+
+def _patch_torch_cuda_functions() -> None:
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_stream = lambda *args, **kwargs: _NullStream()
+
+
+def _patch_causal_mask() -> None:
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.utils as transformer_utils
+
+    @functools.lru_cache(maxsize=32)
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    # Both the definition and the name fused_softmax imported from it.
+    transformer_utils.get_default_causal_mask = get_default_causal_mask
+    fused_softmax.get_default_causal_mask = get_default_causal_mask
+
+
+def _patch_sequence_parallel_norms() -> None:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+            zero_centered_gamma=False, normalization="LayerNorm"):
+        if zero_centered_gamma:
+            raise ValueError("zero_centered_gamma needs Transformer Engine or apex norms")
+        norm_type = config.normalization
+        if norm_type == "RMSNorm":
+            module = torch.nn.RMSNorm(hidden_size, eps=eps)
+        elif norm_type == "LayerNorm":
+            module = torch.nn.LayerNorm(hidden_size, eps=eps)
+        else:
+            raise ValueError(f"unsupported normalization {norm_type!r}")
+        for param in module.parameters():
+            # finalize_model_grads all-reduces grads of params tagged sequence_parallel over TP.
+            param.sequence_parallel = config.sequence_parallel
+        return module
+
+    WrappedTorchNorm.__new__ = staticmethod(new)
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+def _called_from_megatron() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None and ("/torch/" in frame.f_code.co_filename or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    return frame is not None and "megatron/core" in frame.f_code.co_filename
+
+
+class _CudaAllocationsToCpu(torch.overrides.TorchFunctionMode):
+    """Redirects device="cuda" to CPU and fakes CUDA type strings for megatron's checks."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs = dict(kwargs, device=torch.device("cpu"))
+        name = getattr(func, "__name__", "")
+        if name == "cuda":
+            return args[0]
+        if name == "to" and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], torch.device("cpu")) + tuple(args[2:])
+        if (name == "type" and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
+                and args[0].device.type == "cpu" and _called_from_megatron()):
+            # megatron asserts e.g. param.type() == 'torch.cuda.FloatTensor' (optimizer, clip_grads).
+            type_name = func(*args)
+            return type_name if type_name.startswith("torch.cuda.") else type_name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def _torch_adam_optimizers(optimizer):
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    for wrapper in chained:
+        inner = getattr(wrapper, "optimizer", None)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            yield inner
+
+
+def prepare_torch_adam_for_load(optimizer) -> None:
+    """Before dist_checkpointing.load of a DistributedOptimizer over torch AdamW: a fresh torch
+    optimizer has no state, and megatron's sharded_state_dict asserts one 'step' per group."""
+    for adam in _torch_adam_optimizers(optimizer):
+        for group in adam.param_groups:
+            for param in group["params"]:
+                if not adam.state[param]:
+                    adam.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                                             exp_avg_sq=torch.zeros_like(param))
+
+
+def fix_torch_adam_step_after_load(optimizer) -> None:
+    """After loading: megatron restores the step per param group, torch AdamW reads it per param;
+    without this, Adam's bias correction restarts and the resumed run diverges."""
+    for adam in _torch_adam_optimizers(optimizer):
+        for group in adam.param_groups:
+            if group.get("step") is not None:
+                for param in group["params"]:
+                    adam.state[param]["step"] = torch.tensor(float(group["step"]))
