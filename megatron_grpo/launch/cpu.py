@@ -19,6 +19,10 @@ What each patch fixes:
             ('torch.cuda.FloatTensor') for CPU tensors.
   sp-norm   the torch norms refuse sequence_parallel; we allow it and tag the params so that
             finalize_model_grads all-reduces their grads over TP, as TE/apex norms do.
+  quiet     megatron's tracker.fork() warns "CPU RNG state changed within GPU RNG context" when
+            the CPU generator moved inside the fork. With the rng patch the "GPU" state IS the
+            CPU generator, so every dropout inside a fork moves it by design (and fork restores
+            it on exit): a logging filter drops exactly that message, nothing else changes.
 Plus two helpers for resuming megatron's DistributedOptimizer over torch.optim.AdamW
 (prepare_torch_adam_for_load / fix_torch_adam_step_after_load).
 """
@@ -47,6 +51,7 @@ def apply_cpu_compat() -> bool:
     if not cpu_compat_needed():
         return False
     _patch_rng_tracker()
+    _silence_cpu_rng_warning()
     _patch_torch_cuda_functions()
     _patch_causal_mask()
     _patch_sequence_parallel_norms()
@@ -81,6 +86,19 @@ def _patch_rng_tracker() -> None:
     mrandom._get_cuda_rng_state = get_state
     mrandom._set_cuda_rng_state = set_state
     mrandom.CudaRNGStatesTracker.add = add
+
+
+_CPU_RNG_WARNING = "CPU RNG state changed within GPU RNG context"
+
+
+class _DropCpuRngWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != _CPU_RNG_WARNING
+
+
+def _silence_cpu_rng_warning() -> None:
+    # Same logger as megatron's `logging.getLogger(__name__)` in tensor_parallel/random.py.
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropCpuRngWarning())
 
 
 class _NullStream:

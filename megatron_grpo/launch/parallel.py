@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.errors import LaunchError
+from megatron_grpo.errors import ConfigError, LaunchError
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,14 @@ class ParallelLayout:
     virtual_pipeline: int | None = None
     context: int = 1
     sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "pipeline", "context"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name}={getattr(self, name)}: expected an integer >= 1")
+        if self.virtual_pipeline is not None and (self.virtual_pipeline < 1 or self.pipeline < 2):
+            raise ConfigError(f"parallel.virtual_pipeline={self.virtual_pipeline}: expected null, or an integer "
+                              f">= 1 together with parallel.pipeline >= 2 (got {self.pipeline})")
 
     @property
     def model_parallel_size(self) -> int:
@@ -35,7 +43,7 @@ def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
     """Sets up megatron's process groups over the already-initialised default group, then seeds.
 
     On CPU the compatibility layer is applied first (it must precede the RNG-tracker seeding)."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
     from megatron_grpo.launch.cpu import apply_cpu_compat
 

@@ -2,35 +2,43 @@
 
     results = run_distributed(my_fn, world_size=2, args=(x,), timeout=120)
 
-`my_fn(rank, world_size, *args)` runs in each process after `torch.distributed` is initialised
-with gloo on a free localhost port; its return value (picklable) is results[rank]. A child's
-exception is re-raised here with the child's traceback; a hang becomes a TimeoutError and every
-child is killed. Children come from a forkserver that imported torch and megatron-core once, so a
-process costs milliseconds instead of the ~2.5 s of a fresh interpreter.
+`my_fn(rank, world_size, *args)` must be defined at module level (it is pickled by reference).
+It runs in each process after `torch.distributed` is initialised with gloo on a free localhost
+port (pass `init_group=False` to let fn initialise it itself, e.g. through
+launch.init_distributed(), from the torchrun-style variables RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT that every child gets). Its picklable return value is
+results[rank]. A child's exception is re-raised here as DistributedChildError carrying the
+child's rank and traceback; a hang becomes a TimeoutError. On any failure every child is killed
+at once (its peers are usually blocked in a collective), and a child whose parent died exits by
+itself instead of waiting in a collective for the gloo timeout.
+
+Children come from a forkserver that imported torch and megatron-core once, so a process costs
+milliseconds instead of the ~2.5 s of a fresh interpreter. They are not daemonic, so they may
+start processes of their own (megatron's checkpoint writer does).
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import queue as queue_module
-import socket
+import threading
 import time
 import traceback
 from typing import Any, Callable, Sequence
 
+from megatron_grpo.launch.env import free_port
+
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
             "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "megatron.core.optimizer"]
-_context = None
+_PARENT_POLL_S = 1.0
+_context = None  # one forkserver per test process; created on first use
 
 
-class ChildProcessError_(RuntimeError):
-    """A distributed child raised; the message carries its rank and traceback."""
+class DistributedChildError(RuntimeError):
+    """A distributed child raised or died; the message carries its rank and traceback."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+ChildProcessError_ = DistributedChildError  # the name this module used first
 
 
 def _get_context():
@@ -41,16 +49,30 @@ def _get_context():
     return _context
 
 
-def _child(fn, rank, world_size, port, args, env, result_queue):
+def _exit_when_parent_dies(parent_pid: int) -> None:
+    def watch():
+        while True:
+            time.sleep(_PARENT_POLL_S)
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                os._exit(3)
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def _child(fn, rank, world_size, port, args, env, init_group, parent_pid, result_queue):
     try:
+        _exit_when_parent_dies(parent_pid)
         os.environ.update(env)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
         import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        torch.set_num_threads(1)  # N processes share few cores; more threads only contend
+        if init_group:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world_size)
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -63,51 +85,71 @@ def _child(fn, rank, world_size, port, args, env, result_queue):
 def _teardown():
     import torch.distributed as dist
 
-    try:
-        from megatron.core import parallel_state
+    from megatron.core import parallel_state
 
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-    except ImportError:
-        pass
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
-                    timeout: float = 300.0, env: dict[str, str] | None = None) -> list[Any]:
+                    timeout: float = 300.0, env: dict[str, str] | None = None,
+                    init_group: bool = True) -> list[Any]:
     """Runs fn(rank, world_size, *args) in world_size gloo processes; returns results by rank."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _get_context()
     result_queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, rank, world_size, port, tuple(args), dict(env or {}), result_queue),
-                         daemon=True)
+    procs = [ctx.Process(target=_child, name=f"{fn.__name__}-rank{rank}",
+                         args=(fn, rank, world_size, port, tuple(args), dict(env or {}), init_group,
+                               os.getpid(), result_queue))
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
+    succeeded = False
+    try:
+        results = _collect(fn.__name__, procs, result_queue, timeout)
+        succeeded = True
+    finally:
+        _stop(procs, graceful=succeeded)
+    return [results[rank] for rank in range(world_size)]
+
+
+def _collect(name: str, procs: list, result_queue, timeout: float) -> dict[int, Any]:
+    world_size = len(procs)
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{fn.__name__}: ranks {sorted(set(range(world_size)) - set(results))} "
-                                   f"did not finish within {timeout:.0f}s")
-            try:
-                rank, ok, payload = result_queue.get(timeout=min(remaining, 1.0))
-            except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    raise ChildProcessError_(f"{fn.__name__}: rank {dead[0]} died with exit code "
-                                             f"{procs[dead[0]].exitcode} before reporting")
+    while len(results) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(world_size)) - set(results))
+            raise TimeoutError(f"{name}: ranks {missing} did not finish within {timeout:g}s")
+        try:
+            rank, ok, payload = result_queue.get(timeout=min(remaining, 0.5))
+        except queue_module.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+            if not dead:
                 continue
-            if not ok:
-                raise ChildProcessError_(f"{fn.__name__} failed on rank {rank}:\n{payload}")
-            results[rank] = payload
-    finally:
+            try:  # a rank that exited right after queueing its result is not dead: drain once more
+                rank, ok, payload = result_queue.get(timeout=1.0)
+            except queue_module.Empty:
+                raise DistributedChildError(f"{name}: rank {dead[0]} exited with code "
+                                            f"{procs[dead[0]].exitcode} before reporting a result") from None
+        if not ok:
+            raise DistributedChildError(f"{name} failed on rank {rank}:\n{payload}")
+        results[rank] = payload
+    return results
+
+
+def _stop(procs: list, graceful: bool) -> None:
+    if graceful:
         for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return [results[rank] for rank in range(world_size)]
+            proc.join(timeout=10)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join()
+        proc.close()
