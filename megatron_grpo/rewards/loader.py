@@ -1,0 +1,72 @@
+"""Resolve a reward function from a spec string: a built-in name, "pkg.module:fn" or "path/to/file.py:fn".
+
+Workers of the reward pool resolve the same string again, so a spec must be importable by name or
+path in a fresh (spawned) interpreter: lambdas and closures are not specs.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Callable
+
+from megatron_grpo.errors import ConfigError
+
+# Built-in reward functions: name -> "module:function". Each takes (prompt, response, ground_truth, extra).
+BUILTIN_REWARDS: dict[str, str] = {
+    "gsm8k": "megatron_grpo.rewards.gsm8k:reward",
+    "math": "megatron_grpo.rewards.math_equiv:reward",
+    "synthetic": "megatron_grpo.rewards.synthetic:reward",
+}
+
+
+def canonical_spec(spec: str) -> str:
+    """A built-in name becomes its "module:fn"; a file path becomes absolute (workers may chdir)."""
+    spec = spec.strip()
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    target, sep, fn_name = spec.rpartition(":")
+    if not sep or not target or not fn_name:
+        raise ConfigError(
+            f"reward function {spec!r}: expected a built-in name ({', '.join(sorted(BUILTIN_REWARDS))}), "
+            "'pkg.module:fn' or 'path/to/file.py:fn'")
+    if target.endswith(".py"):
+        return f"{Path(target).resolve()}:{fn_name}"
+    return spec
+
+
+def _load_file(path: Path):
+    if not path.is_file():
+        raise ConfigError(f"reward function file {path} does not exist")
+    # a stable, path-derived module name: loading the same file twice gives the same module
+    name = "megatron_grpo_user_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # before exec: lets dataclasses/pickle inside the file find it
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ConfigError(f"reward function file {path} failed to import: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def load_reward_function(spec: str) -> Callable:
+    """The callable named by `spec`; ConfigError with the spec when it cannot be found."""
+    canonical = canonical_spec(spec)
+    target, _, fn_name = canonical.rpartition(":")
+    if target.endswith(".py"):
+        module = _load_file(Path(target))
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ConfigError(f"reward function {spec!r}: cannot import module {target!r}: {exc}") from exc
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ConfigError(f"reward function {spec!r}: {target} has no callable named {fn_name!r}")
+    return fn

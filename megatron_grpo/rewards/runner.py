@@ -1,0 +1,254 @@
+"""RewardRunner: scores a batch of responses in a pool of spawned worker processes.
+
+Each call has a timeout that starts when a worker receives it; a call that raises, times out, kills
+its worker or returns something that is not a score gets reward 0 and is counted in
+metrics["reward/errors"] (timeouts also in "reward/timeouts"); the first traceback is logged once.
+A timed-out worker is killed and replaced, so a hung function never blocks a batch. Results come
+back in input order.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from numbers import Real
+from typing import Any, Sequence
+
+from megatron_grpo.errors import ConfigError
+from megatron_grpo.rewards._worker import worker_main
+from megatron_grpo.rewards.loader import canonical_spec, load_reward_function
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RewardRequest:
+    """One response to score. `extra` is the record's extra_info (plus whatever the caller adds)."""
+
+    prompt: str
+    response: str
+    ground_truth: Any
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class RewardBatchResult:
+    scores: list[float]                     # input order; 0.0 for every failed call
+    sample_metrics: list[dict[str, float]]  # the extra keys a function returned, per sample
+    errors: list[bool]                      # True where the call failed (error or timeout)
+    metrics: dict[str, float]               # reward/errors, reward/timeouts, reward/<key> means
+
+
+class _InvalidResult(Exception):
+    pass
+
+
+def _normalize(result: Any) -> tuple[float, dict[str, float]]:
+    """A float-like or {"score": x, **metrics} -> (score, metrics); anything else is an error."""
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise _InvalidResult(f"reward dict has no 'score' key: {sorted(result)}")
+        extras = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, Real)}
+        score = result["score"]
+    else:
+        score, extras = result, {}
+    if isinstance(score, bool) or not isinstance(score, Real):
+        raise _InvalidResult(f"reward must be a number or a dict with 'score', got {type(score).__name__}")
+    if not math.isfinite(float(score)):
+        raise _InvalidResult(f"reward is not finite: {score}")
+    return float(score), extras
+
+
+@dataclass
+class _Worker:
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    ready: bool = False
+    task: tuple[int, float] | None = None  # (task id, deadline) while busy
+
+
+class RewardRunner:
+    """Scores RewardRequests with the reward function named by `function` (see loader.py).
+
+    num_workers=0 calls the function in this process (no isolation; then timeout_s must be None,
+    since a call in this process cannot be interrupted). batched=True calls
+    fn(prompts, responses, ground_truths, extras) -> list on chunks of `chunk_size` requests
+    (default: an even split over the workers); a failed chunk fails all its samples.
+    """
+
+    def __init__(self, function: str, *, num_workers: int = 4, timeout_s: float | None = 30.0,
+                 kwargs: dict | None = None, batched: bool = False, chunk_size: int | None = None,
+                 startup_timeout_s: float = 120.0):
+        if num_workers < 0:
+            raise ConfigError(f"reward.num_workers must be >= 0, got {num_workers}")
+        if num_workers == 0 and timeout_s is not None:
+            raise ConfigError("reward.timeout_s needs reward.num_workers >= 1: an in-process call cannot be "
+                              "interrupted; set reward.timeout_s=null or use workers")
+        if timeout_s is not None and timeout_s <= 0:
+            raise ConfigError(f"reward.timeout_s must be > 0 or null, got {timeout_s}")
+        self.spec = canonical_spec(function)
+        self._fn = load_reward_function(self.spec)  # fails here, early, with the spec in the message
+        self.kwargs = dict(kwargs or {})
+        self.batched = batched
+        self.chunk_size = chunk_size
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self._context = multiprocessing.get_context("spawn")
+        self._workers: list[_Worker] = [self._start_worker() for _ in range(num_workers)]
+        self._logged_traceback = False
+        self.workers_replaced = 0  # how many workers were killed (timeout) or died
+
+    # -- pool management -------------------------------------------------------------------------
+    def _start_worker(self) -> _Worker:
+        parent_conn, child_conn = self._context.Pipe(duplex=True)
+        process = self._context.Process(target=worker_main, args=(child_conn, self.spec, self.kwargs),
+                                        daemon=True, name="reward-worker")
+        process.start()
+        child_conn.close()
+        return _Worker(process, parent_conn)
+
+    def _replace(self, index: int) -> None:
+        worker = self._workers[index]
+        worker.process.kill()
+        worker.process.join(timeout=10)
+        worker.conn.close()
+        self._workers[index] = self._start_worker()
+        self.workers_replaced += 1
+
+    def close(self) -> None:
+        for worker in self._workers:
+            try:
+                worker.conn.send(None)
+            except (OSError, ValueError):
+                pass
+        for worker in self._workers:
+            worker.process.join(timeout=2)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(timeout=10)
+            worker.conn.close()
+        self._workers = []
+
+    def __enter__(self) -> "RewardRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- scoring ---------------------------------------------------------------------------------
+    def score(self, requests: Sequence[RewardRequest]) -> RewardBatchResult:
+        tasks = self._make_tasks(requests)
+        if self.num_workers == 0:
+            outcomes = [self._call_here(args) for args in tasks]
+        else:
+            outcomes = self._run_pool(tasks)
+        return self._collect(requests, tasks, outcomes)
+
+    def _make_tasks(self, requests: Sequence[RewardRequest]) -> list[tuple]:
+        rows = [(r.prompt, r.response, r.ground_truth, r.extra) for r in requests]
+        if not self.batched:
+            return rows
+        size = self.chunk_size or max(1, math.ceil(len(rows) / max(1, self.num_workers)))
+        chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
+        return [tuple(list(column) for column in zip(*chunk)) for chunk in chunks]
+
+    def _call_here(self, args: tuple) -> tuple[str, Any]:
+        import traceback
+
+        try:
+            return "ok", self._fn(*args, **self.kwargs)
+        except Exception:
+            return "error", traceback.format_exc()
+
+    def _run_pool(self, tasks: list[tuple]) -> list[tuple[str, Any]]:
+        """Runs every task; returns (status, payload) per task: ("ok", result) | ("error", text) |
+        ("timeout", text)."""
+        outcomes: list[tuple[str, Any] | None] = [None] * len(tasks)
+        queue = deque(range(len(tasks)))
+        remaining = len(tasks)
+        last_progress = time.monotonic()
+        while remaining:
+            for worker in self._workers:
+                if worker.ready and worker.task is None and queue:
+                    task_id = queue.popleft()
+                    deadline = time.monotonic() + self.timeout_s if self.timeout_s is not None else math.inf
+                    worker.task = (task_id, deadline)
+                    worker.conn.send((task_id, tasks[task_id]))
+            now = time.monotonic()
+            deadlines = [w.task[1] for w in self._workers if w.task is not None]
+            wait_s = min([d - now for d in deadlines] + [1.0])
+            ready_conns = wait([w.conn for w in self._workers], timeout=max(0.0, wait_s))
+            for index, worker in enumerate(list(self._workers)):
+                if worker.conn not in ready_conns:
+                    continue
+                try:
+                    message = worker.conn.recv()
+                except (EOFError, OSError):
+                    if worker.task is not None:
+                        outcomes[worker.task[0]] = ("error", f"reward worker process died (exit code "
+                                                              f"{worker.process.exitcode}) during the call")
+                        remaining -= 1
+                    self._replace(index)
+                    continue
+                if message[0] == "ready":
+                    worker.ready = True
+                elif message[0] == "fatal":
+                    raise ConfigError(f"reward function {self.spec!r} failed to load in a worker:\n{message[1]}")
+                else:
+                    task_id, ok, payload = message
+                    outcomes[task_id] = ("ok", payload) if ok else ("error", payload)
+                    worker.task = None
+                    remaining -= 1
+                    last_progress = time.monotonic()
+            now = time.monotonic()
+            for index, worker in enumerate(list(self._workers)):
+                if worker.task is not None and now >= worker.task[1]:
+                    outcomes[worker.task[0]] = ("timeout", f"reward call timed out after {self.timeout_s} s "
+                                                           f"({self.spec}); its worker was replaced")
+                    remaining -= 1
+                    last_progress = now
+                    self._replace(index)
+            if not any(w.ready for w in self._workers) and now - last_progress > self.startup_timeout_s:
+                raise RuntimeError(f"no reward worker became ready within {self.startup_timeout_s} s")
+        return outcomes  # type: ignore[return-value]
+
+    def _collect(self, requests: Sequence[RewardRequest], tasks: list[tuple],
+                 outcomes: list[tuple[str, Any]]) -> RewardBatchResult:
+        n = len(requests)
+        scores, sample_metrics, errors = [0.0] * n, [dict() for _ in range(n)], [False] * n
+        timeouts = 0
+        start = 0
+        for args, (status, payload) in zip(tasks, outcomes):
+            count = len(args[0]) if self.batched else 1
+            span = range(start, start + count)
+            start += count
+            if status == "ok":
+                try:
+                    results = payload if self.batched else [payload]
+                    if self.batched and (not isinstance(results, (list, tuple)) or len(results) != count):
+                        raise _InvalidResult(f"batched reward must return a list of {count} results")
+                    normalized = [_normalize(r) for r in results]
+                except _InvalidResult as exc:
+                    status, payload = "error", f"{self.spec}: {exc}"
+                else:
+                    for i, (score, extras) in zip(span, normalized):
+                        scores[i], sample_metrics[i] = score, extras
+                    continue
+            timeouts += count if status == "timeout" else 0
+            for i in span:
+                errors[i] = True
+            if not self._logged_traceback:
+                self._logged_traceback = True
+                logger.warning("reward function %s failed (scored 0; later failures are only counted "
+                               "in reward/errors):\n%s", self.spec, payload)
+        metrics = {"reward/errors": float(sum(errors)), "reward/timeouts": float(timeouts)}
+        keys = sorted({k for m in sample_metrics for k in m})
+        for key in keys:
+            values = [m[key] for m in sample_metrics if key in m]
+            metrics[f"reward/{key}"] = sum(values) / len(values)
+        return RewardBatchResult(scores, sample_metrics, errors, metrics)
