@@ -73,13 +73,19 @@ def _child(fn, rank, world_size, port, args, env, init_group, parent_pid, result
         if init_group:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=world_size)
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            _teardown()
-        result_queue.put((rank, True, result))
+        result = fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - the parent re-raises it with the traceback
+        # Report before tearing down: destroying the group makes the peers fail too, and their
+        # secondary errors must not arrive ahead of this one.
         result_queue.put((rank, False, traceback.format_exc()))
+        _teardown()
+        return
+    try:
+        _teardown()
+    except BaseException:  # noqa: BLE001
+        result_queue.put((rank, False, traceback.format_exc()))
+        return
+    result_queue.put((rank, True, result))
 
 
 def _teardown():
@@ -138,9 +144,24 @@ def _collect(name: str, procs: list, result_queue, timeout: float) -> dict[int, 
                 raise DistributedChildError(f"{name}: rank {dead[0]} exited with code "
                                             f"{procs[dead[0]].exitcode} before reporting a result") from None
         if not ok:
-            raise DistributedChildError(f"{name} failed on rank {rank}:\n{payload}")
+            raise DistributedChildError(_failure_message(name, rank, payload, result_queue))
         results[rank] = payload
     return results
+
+
+def _failure_message(name: str, rank: int, payload: str, result_queue, grace_s: float = 1.0) -> str:
+    """The first failure, plus any other rank's that arrives within `grace_s` (often the
+    consequence of the first, e.g. a peer's collective failing once the group is gone)."""
+    message = f"{name} failed on rank {rank}:\n{payload}"
+    deadline = time.monotonic() + grace_s
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            other_rank, ok, other_payload = result_queue.get(timeout=remaining)
+        except queue_module.Empty:
+            break
+        if not ok:
+            message += f"\n--- rank {other_rank} failed too ---\n{other_payload}"
+    return message
 
 
 def _stop(procs: list, graceful: bool) -> None:

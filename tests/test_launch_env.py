@@ -1,0 +1,288 @@
+"""Rank discovery from synthetic launcher environments, device selection, and init_distributed."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_grpo.errors import ConfigError, LaunchError
+from megatron_grpo.launch.env import (
+    RankInfo,
+    detect_launcher,
+    discover_ranks,
+    parse_slurm_nodelist,
+    parse_slurm_tasks_per_node,
+    slurm_port_for_job,
+)
+
+TORCHRUN_ENV = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                "MASTER_ADDR": "node-a", "MASTER_PORT": "29501"}
+# Task 6 of `srun -N2 -n8` (4 per node), as srun sets it.
+SLURM_ENV = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+             "SLURM_STEP_ID": "0", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_ID": "123456",
+             "SLURM_JOB_NODELIST": "gpu-[07-08]"}
+OMPI_ENV = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+
+
+class FakeComm:
+    """mpi4py's bcast protocol for one simulated rank: root's object reaches everyone."""
+
+    def __init__(self, root_value=None):
+        self.root_value = root_value
+        self.calls = []
+
+    def bcast(self, obj, root=0):
+        self.calls.append((obj, root))
+        return obj if self.root_value is None else self.root_value
+
+
+# ----------------------------------------------------------------------------- nodelists
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("gpu-[01-03,07]", ["gpu-01", "gpu-02", "gpu-03", "gpu-07"]),
+    ("node1,node2", ["node1", "node2"]),
+    ("a[1-2],b[5]", ["a1", "a2", "b5"]),
+    ("rack1-node[001-004]", ["rack1-node001", "rack1-node002", "rack1-node003", "rack1-node004"]),
+    ("vm", ["vm"]),
+    ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+    ("c[09-10],login", ["c09", "c10", "login"]),
+    ("rack[1-2]-gpu[1,3]", ["rack1-gpu1", "rack1-gpu3", "rack2-gpu1", "rack2-gpu3"]),
+])
+def test_nodelist_forms(nodelist, hosts):
+    assert parse_slurm_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("nodelist, complaint", [
+    ("gpu-[01-03", r"unbalanced '\['"),
+    ("gpu-01]", "unbalanced ']'"),
+    ("gpu-[a-b]", "cannot parse range"),
+    ("gpu-[3-1]", "descending range"),
+    ("a,,b", "empty host name"),
+    ("", "empty host name"),
+])
+def test_nodelist_errors(nodelist, complaint):
+    with pytest.raises(LaunchError, match=complaint):
+        parse_slurm_nodelist(nodelist)
+
+
+def test_tasks_per_node():
+    assert parse_slurm_tasks_per_node("4(x2),3") == [4, 4, 3]
+    assert parse_slurm_tasks_per_node("8") == [8]
+    with pytest.raises(LaunchError, match="tasks per node"):
+        parse_slurm_tasks_per_node("4(2)")
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def test_torchrun():
+    info = discover_ranks(TORCHRUN_ENV)
+    assert info == RankInfo(rank=5, world_size=8, local_rank=1, local_world_size=4, master_addr="node-a",
+                            master_port=29501, launcher="torchrun")
+    assert info.init_method == "tcp://node-a:29501"
+
+
+def test_torchrun_wins_inside_srun():
+    # `srun torchrun ...`: the worker also carries its srun task's variables (one task per node).
+    env = {**SLURM_ENV, "SLURM_PROCID": "1", "SLURM_NTASKS": "2", **TORCHRUN_ENV}
+    assert discover_ranks(env).launcher == "torchrun"
+    assert discover_ranks(env).rank == 5
+
+
+def test_torchrun_missing_variable_is_named():
+    env = {k: v for k, v in TORCHRUN_ENV.items() if k != "MASTER_PORT"}
+    with pytest.raises(LaunchError, match="torchrun: environment variable MASTER_PORT is missing"):
+        discover_ranks(env)
+
+
+def test_torchrun_non_integer_is_named():
+    with pytest.raises(LaunchError, match="RANK='x' is not an integer"):
+        discover_ranks({**TORCHRUN_ENV, "RANK": "x"})
+
+
+def test_rank_outside_world_is_rejected():
+    with pytest.raises(LaunchError, match="rank 8 is outside world size 8"):
+        discover_ranks({**TORCHRUN_ENV, "RANK": "8"})
+    with pytest.raises(LaunchError, match="local rank 4 is outside local world size 4"):
+        discover_ranks({**TORCHRUN_ENV, "LOCAL_RANK": "4"})
+
+
+def test_ipv6_master_is_bracketed():
+    info = discover_ranks({**TORCHRUN_ENV, "MASTER_ADDR": "fe80::1"})
+    assert info.init_method == "tcp://[fe80::1]:29501"
+
+
+def test_slurm():
+    info = discover_ranks(SLURM_ENV)
+    assert info == RankInfo(rank=6, world_size=8, local_rank=2, local_world_size=4, master_addr="gpu-07",
+                            master_port=slurm_port_for_job(123456), launcher="slurm")
+
+
+def test_slurm_port_is_per_job_and_overridable():
+    assert discover_ranks(SLURM_ENV).master_port == discover_ranks({**SLURM_ENV, "SLURM_PROCID": "0"}).master_port
+    other_job = discover_ranks({**SLURM_ENV, "SLURM_JOB_ID": "123457"}).master_port
+    assert other_job != discover_ranks(SLURM_ENV).master_port
+    assert all(15000 <= slurm_port_for_job(job) < 30000 for job in (0, 1, 14999, 15000, 10**9))
+    explicit = discover_ranks({**SLURM_ENV, "MASTER_PORT": "40000", "MASTER_ADDR": "10.0.0.1"})
+    assert (explicit.master_addr, explicit.master_port) == ("10.0.0.1", 40000)
+
+
+def test_slurm_step_variables_win_over_job_variables():
+    # srun -n 2 inside an allocation of 8 tasks on gpu-[01-04]: the step runs on gpu-03 only.
+    env = {**SLURM_ENV, "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+           "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "gpu-03",
+           "SLURM_JOB_NODELIST": "gpu-[01-04]"}
+    info = discover_ranks(env)
+    assert (info.world_size, info.local_world_size, info.master_addr) == (2, 2, "gpu-03")
+
+
+def test_slurm_ntasks_per_node_and_uneven_nodes():
+    assert discover_ranks({**SLURM_ENV, "SLURM_NTASKS_PER_NODE": "4",
+                           "SLURM_TASKS_PER_NODE": "9"}).local_world_size == 4
+    # 7 tasks as "4,3": the second node has 3.
+    uneven = {**SLURM_ENV, "SLURM_NTASKS": "7", "SLURM_TASKS_PER_NODE": "4,3", "SLURM_PROCID": "5",
+              "SLURM_LOCALID": "1", "SLURM_NODEID": "1"}
+    assert discover_ranks(uneven).local_world_size == 3
+    with pytest.raises(LaunchError, match="SLURM_NODEID=2 but SLURM_TASKS_PER_NODE='4,3' lists 2 nodes"):
+        discover_ranks({**uneven, "SLURM_NODEID": "2"})
+
+
+def test_slurm_missing_variables_are_named():
+    env = {k: v for k, v in SLURM_ENV.items() if k != "SLURM_JOB_NODELIST"}
+    with pytest.raises(LaunchError, match="SLURM_JOB_NODELIST is missing"):
+        discover_ranks(env)
+    env = {k: v for k, v in SLURM_ENV.items() if k != "SLURM_TASKS_PER_NODE"}
+    with pytest.raises(LaunchError, match="cannot tell the tasks on this node"):
+        discover_ranks(env)
+    env = {k: v for k, v in SLURM_ENV.items() if k != "SLURM_JOB_ID"}
+    with pytest.raises(LaunchError, match="SLURM_JOB_ID is missing"):
+        discover_ranks(env)
+
+
+def test_slurm_batch_script_without_srun():
+    batch = {k: v for k, v in SLURM_ENV.items() if k != "SLURM_STEP_ID"}
+    batch.update(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
+    with pytest.raises(LaunchError, match="not started by srun"):
+        discover_ranks(batch)
+    single = discover_ranks({**batch, "SLURM_NTASKS": "1"})
+    assert (single.launcher, single.world_size) == ("none", 1)
+
+
+def test_openmpi_with_master_addr():
+    info = discover_ranks({**OMPI_ENV, "MASTER_ADDR": "head", "MASTER_PORT": "23456"})
+    assert info == RankInfo(rank=3, world_size=4, local_rank=1, local_world_size=2, master_addr="head",
+                            master_port=23456, launcher="mpi")
+
+
+def test_mpi_master_from_communicator():
+    # Not rank 0: the address and port are whatever rank 0 broadcast.
+    comm = FakeComm(root_value=("rank0-host", 31337))
+    info = discover_ranks(OMPI_ENV, mpi_comm=comm)
+    assert (info.master_addr, info.master_port) == ("rank0-host", 31337)
+    assert comm.calls == [(None, 0)]
+    # Rank 0 broadcasts its own hostname and a port.
+    comm0 = FakeComm()
+    info0 = discover_ranks({**OMPI_ENV, "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "0"},
+                           mpi_comm=comm0)
+    sent_host, sent_port = comm0.calls[0][0]
+    assert (info0.master_addr, info0.master_port) == (sent_host, sent_port) and 0 < sent_port < 65536
+
+
+def test_mpi_without_mpi4py_or_master_addr(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # makes `import mpi4py` raise ImportError
+    with pytest.raises(LaunchError, match="MASTER_ADDR is not set and mpi4py is not installed"):
+        discover_ranks(OMPI_ENV)
+
+
+def test_pmi_ranks():
+    env = {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2",
+           "MASTER_ADDR": "head"}
+    info = discover_ranks(env)
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (2, 4, 0, 2)
+    assert info.master_port == 29500
+    # srun --mpi=pmi2 direct launch: local layout from Slurm.
+    direct = {"PMI_RANK": "5", "PMI_SIZE": "8", "SLURM_LOCALID": "1", "SLURM_TASKS_PER_NODE": "4(x2)",
+              "SLURM_PROCID": "5", "SLURM_STEP_ID": "0", "MASTER_ADDR": "head"}
+    info = discover_ranks(direct)
+    assert (info.launcher, info.local_rank, info.local_world_size) == ("mpi", 1, 4)
+
+
+def test_mpirun_inside_slurm_allocation_uses_mpi_ranks():
+    env = {**SLURM_ENV, "SLURM_PROCID": "0", **OMPI_ENV, "MASTER_ADDR": "gpu-07"}
+    assert detect_launcher(env) == "mpi"
+    assert discover_ranks(env).rank == 3
+
+
+def test_no_launcher():
+    info = discover_ranks({})
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (0, 1, 0, 1)
+    assert (info.launcher, info.master_addr) == ("none", "127.0.0.1")
+    assert 0 < info.master_port < 65536
+
+
+# ----------------------------------------------------------------------------- layout and devices
+
+
+def test_world_size_not_divisible_by_model_parallel():
+    from megatron_grpo.launch.parallel import ParallelLayout
+
+    layout = ParallelLayout(tensor=2, pipeline=2, context=1)
+    assert layout.data_parallel_size(8) == 2
+    with pytest.raises(LaunchError, match=r"world size 6 is not divisible by TP\*PP\*CP = 2\*2\*1 = 4"):
+        layout.data_parallel_size(6)
+    with pytest.raises(ConfigError, match="parallel.tensor=0"):
+        ParallelLayout(tensor=0)
+    with pytest.raises(ConfigError, match="parallel.virtual_pipeline=2"):
+        ParallelLayout(pipeline=1, virtual_pipeline=2)
+
+
+def test_device_selection():
+    import torch
+
+    from megatron_grpo.launch.distributed import select_backend, select_device
+
+    assert select_device(3, 4, cuda_device_count=None) == torch.device("cpu")
+    assert select_device(3, 4, cuda_device_count=8) == torch.device("cuda", 3)
+    with pytest.raises(LaunchError, match="8 ranks on this node but only 4 CUDA devices are visible"):
+        select_device(5, 8, cuda_device_count=4)
+    assert (select_backend(True), select_backend(False)) == ("nccl", "gloo")
+
+
+def _init_from_env(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    from megatron_grpo.launch.distributed import init_distributed, shutdown
+
+    ctx = init_distributed()  # torchrun-style variables set by the harness
+    again = init_distributed()  # the group exists: checked and kept
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    result = (ctx.ranks.rank, ctx.ranks.world_size, ctx.backend, str(ctx.device), again.backend, total.item())
+    shutdown()
+    return result, dist.is_initialized()
+
+
+def test_init_distributed_from_torchrun_env():
+    from megatron_grpo.testing.distributed import run_distributed
+
+    results = run_distributed(_init_from_env, world_size=2, init_group=False, timeout=60)
+    assert results == [((r, 2, "gloo", "cpu", "gloo", 3.0), False) for r in range(2)]
+
+
+def _init_with_wrong_rank(rank, world_size):
+    import os
+
+    from megatron_grpo.launch.distributed import init_distributed
+
+    os.environ["RANK"] = str(1 - rank)
+    init_distributed()
+
+
+def test_init_distributed_rejects_a_group_that_disagrees():
+    from megatron_grpo.testing.distributed import DistributedChildError, run_distributed
+
+    with pytest.raises(DistributedChildError, match="already initialised as rank"):
+        run_distributed(_init_with_wrong_rank, world_size=2, timeout=60)
