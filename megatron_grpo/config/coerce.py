@@ -1,0 +1,168 @@
+"""Turning raw YAML / override values into the schema's typed dataclasses, with one-line errors.
+
+Supported field types: bool, int, float, str, Literal[...], Optional[X], list[X], dict[str, X],
+Any and nested dataclasses. Ints are accepted where a float is expected; strings are accepted for
+floats when float() parses them, because YAML 1.1 (pyyaml) reads `1e-6` (no dot) as a string.
+Nothing else is converted: `ppo_epochs: "2"` is an error, not a silent 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+from typing import Any, Literal, Mapping, Union, get_args, get_origin, get_type_hints
+
+from megatron_grpo.errors import ConfigError
+
+Sources = Mapping[str, str]  # dotted key -> where it was set, e.g. "recipes/x.yaml:12"
+
+
+def locate(sources: Sources, key: str) -> str:
+    """' (where)' for `key` or its nearest parent that has a recorded source, else ''."""
+    key = key.split("[", 1)[0]
+    while key:
+        if key in sources:
+            return f" ({sources[key]})"
+        key = key.rpartition(".")[0]
+    return ""
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Resolved annotations of a dataclass's fields, in declaration order."""
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def is_optional(tp: Any) -> bool:
+    return _is_union(tp) and type(None) in get_args(tp)
+
+
+def strip_optional(tp: Any) -> Any:
+    """X for Optional[X]; anything else unchanged."""
+    if is_optional(tp):
+        rest = [a for a in get_args(tp) if a is not type(None)]
+        if len(rest) != 1:
+            raise TypeError(f"unsupported union {tp}")  # a schema bug, not a user error
+        return rest[0]
+    return tp
+
+
+def describe(tp: Any) -> str:
+    """Human-readable type, as used in error messages."""
+    if tp is Any:
+        return "any value"
+    if is_optional(tp):
+        return f"{describe(strip_optional(tp))} or null"
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin is list:
+        return f"a list of {describe(get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping (section)"
+    return getattr(tp, "__name__", str(tp))
+
+
+def all_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, sections included."""
+    keys = []
+    for name, tp in field_types(cls).items():
+        full = prefix + name
+        keys.append(full)
+        if dataclasses.is_dataclass(tp):
+            keys.extend(all_keys(tp, full + "."))
+    return keys
+
+
+def suggest(key: str, section: type, root: type) -> str | None:
+    """The closest valid key to an unknown `key`: a sibling first, then a same-named key elsewhere."""
+    prefix, _, name = key.rpartition(".")
+    siblings = list(field_types(section))
+    match = difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)
+    if match:
+        return f"{prefix}.{match[0]}" if prefix else match[0]
+    everything = all_keys(root)
+    by_name = [k for k in everything if difflib.SequenceMatcher(None, name, k.rpartition(".")[2]).ratio() >= 0.8]
+    if by_name:
+        return max(by_name, key=lambda k: difflib.SequenceMatcher(None, key, k).ratio())
+    match = difflib.get_close_matches(key, everything, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def unknown_key_error(key: str, section: type, root: type, where: str) -> ConfigError:
+    hint = suggest(key, section, root)
+    tail = f"; did you mean '{hint}'?" if hint else ""
+    return ConfigError(f"unknown key '{key}'{where}{tail}")
+
+
+def build(cls: type, data: Any, key: str, sources: Sources, root: type) -> Any:
+    """A `cls` instance from a (partial) mapping; missing fields keep their defaults."""
+    if data is None:  # an empty section (`rollout:` with everything commented out)
+        data = {}
+    if not isinstance(data, Mapping):
+        raise type_error(key or "<recipe>", cls, data, sources)
+    hints = field_types(cls)
+    kwargs = {}
+    for name, value in data.items():
+        full = f"{key}.{name}" if key else str(name)
+        if name not in hints:
+            raise unknown_key_error(full, cls, root, locate(sources, full))
+        kwargs[name] = coerce(value, hints[name], full, sources, root)
+    return cls(**kwargs)
+
+
+def coerce(value: Any, tp: Any, key: str, sources: Sources, root: type) -> Any:
+    """`value` checked (and minimally converted) against `tp`; ConfigError naming `key` otherwise."""
+    if tp is Any:
+        return value
+    if is_optional(tp):
+        return None if value is None else coerce(value, strip_optional(tp), key, sources, root)
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, key, sources, root)
+    if origin is Literal:
+        # `type(a) is type(value)` keeps True from matching 1
+        if any(value == a and type(a) is type(value) for a in get_args(tp)):
+            return value
+        raise type_error(key, tp, value, sources)
+    if origin is list:
+        if not isinstance(value, list):
+            raise type_error(key, tp, value, sources)
+        (item,) = get_args(tp)
+        return [coerce(v, item, f"{key}[{i}]", sources, root) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise type_error(key, tp, value, sources)
+        _, item = get_args(tp)
+        return {k: coerce(v, item, f"{key}.{k}", sources, root) for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"unsupported schema type {tp!r} for {key}")  # a schema bug
+    raise type_error(key, tp, value, sources)
+
+
+def type_error(key: str, tp: Any, value: Any, sources: Sources) -> ConfigError:
+    got = "null" if value is None else f"{value!r} ({type(value).__name__})"
+    return ConfigError(f"{key}: expected {describe(tp)}, got {got}{locate(sources, key)}")
+
+
+def _is_union(tp: Any) -> bool:
+    return get_origin(tp) is Union or isinstance(tp, types.UnionType)

@@ -1,0 +1,260 @@
+"""The typed recipe schema: one frozen dataclass per section, a plain data description.
+
+Defaults equal verl's (`ppo_trainer.yaml`, 0.8/0.9) wherever both projects have the concept, under
+the same name, so that verl users read our recipes without a dictionary. Where a default differs
+from verl, or verl has no such setting, the comment says so. No behaviour lives here: loading is in
+loader.py, cross-field checks in validate.py.
+
+Batch-size units follow verl: `data.train_batch_size` and `actor.ppo_mini_batch_size` count
+*prompts*; each prompt yields `rollout.n` responses, so a mini-batch holds
+`ppo_mini_batch_size * rollout.n` sequences, split over the data-parallel ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+KlEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # HF model folder (or hub id) with config.json + safetensors; the policy starts from its weights.
+    path: Optional[str] = None
+    # HF config.json (file or folder) for a model initialised from scratch (no weights loaded).
+    config_path: Optional[str] = None
+    # Tokenizer folder; None = `path` (or the synthetic task's tokenizer when data.task is set).
+    tokenizer_path: Optional[str] = None
+    # HF config fields set on top of the loaded config.json (verl: model.override_config).
+    override_config: dict[str, Any] = field(default_factory=dict)
+    dtype: Dtype = "auto"  # auto = bfloat16 on GPU, float32 on CPU
+    make_vocab_size_divisible_by: int = 128  # megatron pads the vocab to a multiple of this x TP
+    transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"  # auto = TE if importable
+    recompute_granularity: Literal["none", "selective", "full"] = "none"
+    recompute_method: Literal["uniform", "block"] = "uniform"  # only read for granularity=full
+    recompute_num_layers: int = 1
+    trust_remote_code: bool = False  # never run code shipped with a checkpoint unless asked
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    virtual_pipeline: Optional[int] = None  # interleaved schedule: model chunks per pipeline rank
+    context: int = 1
+    sequence_parallel: bool = False  # needs tensor > 1
+    use_distributed_optimizer: bool = True  # verl's megatron default
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # jsonl / parquet files in verl's column layout
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 1024  # prompts per step
+    shuffle: bool = True
+    seed: Optional[int] = None  # sampler seed; None = trainer.seed
+    # over-long prompts: error (verl default), truncate on the left / right, or filter them out (counted)
+    truncation: Literal["error", "left", "right", "filter"] = "error"
+    apply_chat_template: bool = True
+    chat_template: Optional[str] = None  # a Jinja template string; None = the tokenizer's own
+    # A synthetic task (data/synthetic.py) instead of files, e.g. "reverse_digits"; not in verl.
+    task: Optional[str] = None
+    task_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LocalEngineConfig:
+    max_batch_size: Optional[int] = None  # sequences generated at once; None = the whole step
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    # Existing servers (or one router) to use; empty = launch `num_engines` servers ourselves.
+    urls: list[str] = field(default_factory=list)
+    num_engines: int = 1
+    tp_size: int = 1  # GPUs per engine
+    mem_fraction: float = 0.8  # --mem-fraction-static
+    host: str = "127.0.0.1"  # bind address of launched servers; loopback by default
+    port: int = 30000  # first port; engine i listens on port + i
+    router: bool = False  # put sglang_router in front of the engines
+    router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
+    router_port: int = 30080
+    # distributed = NCCL broadcast (disaggregated), tensor = CUDA IPC (colocated), disk = safetensors files
+    weight_sync: Literal["distributed", "tensor", "disk"] = "distributed"
+    disk_sync_dir: Optional[str] = None  # shared folder for weight_sync=disk; None = <output_dir>/weight_sync
+    extra_args: list[str] = field(default_factory=list)  # passed to sglang.launch_server untouched
+    # Name of the environment variable holding the API key (the key itself stays out of recipes,
+    # logs and checkpoints).
+    api_key_env: Optional[str] = None
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+    weight_update_timeout_s: float = 600.0
+    max_retries: int = 3
+    max_concurrency: int = 256  # in-flight HTTP requests per engine
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: Literal["local", "sglang"] = "local"
+    n: int = 1  # responses per prompt; verl's default, GRPO needs >= 2 (verl's GRPO examples use 5)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    max_new_tokens: Optional[int] = None  # None = data.max_response_length (as verl)
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    weight_bucket_mb: int = 512  # size of one weight-sync bucket
+    local: LocalEngineConfig = field(default_factory=LocalEngineConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+
+
+@dataclass(frozen=True)
+class KlCtrlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    horizon: int = 10000  # adaptive only
+    target_kl: float = 0.1  # adaptive only
+
+
+@dataclass(frozen=True)
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts."""
+
+    enable: bool = False
+    metric: str = "score"  # the per-sample value whose variance decides (verl: acc | score | seq_reward)
+    max_num_gen_batches: int = 0  # generation rounds per step before failing; 0 = no limit (as verl)
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"  # grpo | rloo | reinforce_plus_plus_baseline | a registered name
+    norm_adv_by_std_in_grpo: bool = True  # false = Dr.GRPO
+    use_kl_in_reward: bool = False
+    kl_penalty: KlEstimator = "kl"  # estimator for the in-reward KL
+    kl_ctrl: KlCtrlConfig = field(default_factory=KlCtrlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    loss_mode: Literal["vanilla", "gspo"] = "vanilla"
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    lr_warmup_steps: int = 0
+    lr_scheduler: Literal["constant", "cosine"] = "constant"  # cosine = warmup then cosine decay
+    min_lr: float = 0.0  # cosine floor
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n sequences)
+    # Micro-batching: fixed sequences per micro-batch, or token-balanced micro-batches of at most
+    # this many tokens (verl: use_dynamic_bsz + ppo_max_token_len_per_gpu). Exactly one is set.
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    max_tokens_per_micro_batch: Optional[int] = 16384
+    ppo_epochs: int = 1
+    shuffle: bool = False  # shuffle sequences between mini-batches
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: KlEstimator = "low_var_kl"
+    loss_agg_mode: LossAggMode = "token-mean"
+    # seq-mean-token-sum-norm divisor; None = data.max_response_length (Dr.GRPO's constant)
+    loss_scale_factor: Optional[float] = None
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2  # DAPO clip-higher: 0.28
+    clip_ratio_c: float = 3.0  # dual clip for negative advantages
+    entropy_coeff: float = 0.0
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    tis_cap: Optional[float] = None  # truncated importance sampling vs rollout log-probs; None = off
+    grad_clip: Optional[float] = 1.0  # None = no clipping
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    # None = a frozen copy of the initial policy (model.path / its random init).
+    model_path: Optional[str] = None
+    max_tokens_per_micro_batch: Optional[int] = None  # None = the actor's micro-batching
+    param_offload: bool = False  # keep reference weights on CPU between uses
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    # gsm8k | math | "pkg.module:fn" | "path/to/file.py:fn"
+    function: str = "gsm8k"
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the reward function
+    num_workers: int = 4  # process pool size; 0 = in the trainer process
+    timeout_s: float = 10.0  # per call; a timeout scores 0 and counts in reward/errors
+    format_score: float = 0.0
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save_dir: Optional[str] = None  # None = <logging.output_dir>/checkpoints
+    save_interval: int = -1  # steps between saves; -1 = only when stopped by a signal (verl save_freq)
+    keep_last: Optional[int] = None  # None = keep all (verl max_actor_ckpt_to_keep)
+    resume: str = "auto"  # auto | never | a checkpoint folder
+    async_save: bool = False
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    output_dir: str = "outputs/run"  # metrics.jsonl, plots, default checkpoint folder
+    project: str = "megatron-grpo"  # verl: trainer.project_name
+    experiment_name: Optional[str] = None  # None = the recipe's file name
+    console: bool = True  # progress bar with the key figures
+    log_interval: int = 1  # steps between console / sink writes (metrics.jsonl gets every step)
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_entity: Optional[str] = None
+    wandb_mode: Literal["online", "offline"] = "online"
+    plot: bool = False  # write a reward-curve PNG beside metrics.jsonl (needs matplotlib)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    total_epochs: int = 30  # verl's default
+    total_steps: Optional[int] = None  # overrides epochs when set (verl: total_training_steps)
+    seed: int = 1234
+    device: Device = "auto"  # auto = cuda when available
+    max_consecutive_nan_steps: int = 3  # skipped non-finite updates in a row before the run stops
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    interval: int = -1  # steps between evals; -1 = off (verl test_freq)
+    before_train: bool = False  # verl's val_before_train defaults to true; here opt-in
+    val_batch_size: Optional[int] = None  # prompts per eval batch; None = all at once
+    n_samples: int = 1  # responses per prompt
+    greedy: bool = True  # verl val_kwargs.do_sample=false
+    temperature: float = 1.0  # only with greedy=false
+    pass_k: list[int] = field(default_factory=lambda: [1])
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)

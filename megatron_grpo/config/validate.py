@@ -1,0 +1,258 @@
+"""Cross-field checks of a typed Config; every problem found is reported in one ConfigError.
+
+Called once before anything heavy starts: with world_size=None (e.g. `config show`) the checks
+that need the data-parallel size are skipped; the trainer calls it again with the real size.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_grpo.config.model_dims import model_dims
+from megatron_grpo.config.schema import Config
+from megatron_grpo.errors import ConfigError
+
+GROUP_ESTIMATORS = ("grpo", "rloo")  # need >= 2 samples per prompt to form a baseline
+BUILTIN_REWARDS = ("gsm8k", "math")
+
+
+def validate(config: Config, world_size: Optional[int] = None) -> None:
+    """Raises one ConfigError listing every cross-field problem; returns None if there is none."""
+    problems: list[str] = []
+    for check in (_model, _parallel, _data, _rollout, _algorithm, _actor, _reward, _checkpoint,
+                  _trainer, _eval):
+        check(config, problems)
+    if world_size is not None:
+        _world(config, world_size, problems)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} config problems: " + "; ".join(problems))
+
+
+def _model(c: Config, out: list[str]) -> None:
+    m = c.model
+    if m.path is None and m.config_path is None and not m.override_config:
+        out.append("no model: set model.path (HF folder or hub id) or model.config_path (random init)")
+    if m.make_vocab_size_divisible_by < 1:
+        out.append(f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} must be >= 1")
+    if m.recompute_num_layers < 1:
+        out.append(f"model.recompute_num_layers={m.recompute_num_layers} must be >= 1")
+    dims = model_dims(m)
+    p = c.parallel
+    if dims.num_attention_heads is not None and dims.num_attention_heads % p.tensor:
+        out.append(f"the model's {dims.num_attention_heads} attention heads are not divisible by "
+                   f"parallel.tensor={p.tensor}")
+    if dims.num_query_groups is not None and dims.num_query_groups % p.tensor:
+        out.append(f"the model's {dims.num_query_groups} query groups (num_key_value_heads) are not "
+                   f"divisible by parallel.tensor={p.tensor}")
+    stages = p.pipeline * (p.virtual_pipeline or 1)
+    if dims.num_layers is not None and dims.num_layers % stages:
+        out.append(f"the model's {dims.num_layers} layers are not divisible by parallel.pipeline x "
+                   f"virtual_pipeline = {p.pipeline} x {p.virtual_pipeline or 1}")
+
+
+def _parallel(c: Config, out: list[str]) -> None:
+    p = c.parallel
+    for name in ("tensor", "pipeline", "context"):
+        if getattr(p, name) < 1:
+            out.append(f"parallel.{name}={getattr(p, name)} must be >= 1")
+    if p.virtual_pipeline is not None:
+        if p.virtual_pipeline < 1:
+            out.append(f"parallel.virtual_pipeline={p.virtual_pipeline} must be >= 1 or null")
+        elif p.pipeline < 2:
+            out.append("parallel.virtual_pipeline needs parallel.pipeline >= 2")
+    if p.sequence_parallel and p.tensor < 2:
+        out.append("parallel.sequence_parallel=true needs parallel.tensor >= 2")
+
+
+def _data(c: Config, out: list[str]) -> None:
+    d = c.data
+    if not d.train_files and d.task is None:
+        out.append("no training data: set data.train_files or data.task")
+    for name in ("max_prompt_length", "max_response_length", "train_batch_size"):
+        if getattr(d, name) < 1:
+            out.append(f"data.{name}={getattr(d, name)} must be >= 1")
+
+
+def _rollout(c: Config, out: list[str]) -> None:
+    r = c.rollout
+    if r.n < 1:
+        out.append(f"rollout.n={r.n} must be >= 1")
+    if r.temperature <= 0:
+        out.append(f"rollout.temperature={r.temperature} must be > 0 (log-probs use logits / temperature)")
+    if not 0 < r.top_p <= 1:
+        out.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    if r.top_k != -1 and r.top_k < 1:
+        out.append(f"rollout.top_k={r.top_k} must be -1 (off) or >= 1")
+    if r.max_new_tokens is not None and not 1 <= r.max_new_tokens <= c.data.max_response_length:
+        out.append(f"rollout.max_new_tokens={r.max_new_tokens} must be in [1, data.max_response_length="
+                   f"{c.data.max_response_length}]")
+    if r.weight_bucket_mb < 1:
+        out.append(f"rollout.weight_bucket_mb={r.weight_bucket_mb} must be >= 1")
+    if r.local.max_batch_size is not None and r.local.max_batch_size < 1:
+        out.append(f"rollout.local.max_batch_size={r.local.max_batch_size} must be >= 1 or null")
+    if r.engine == "sglang":
+        _sglang(c, out)
+
+
+def _sglang(c: Config, out: list[str]) -> None:
+    s = c.rollout.sglang
+    bad_urls = [u for u in s.urls if not u.startswith(("http://", "https://"))]
+    if bad_urls:
+        out.append(f"rollout.sglang.urls: {bad_urls[0]!r} must start with http:// or https://")
+    for name in ("num_engines", "tp_size", "max_concurrency"):
+        if getattr(s, name) < 1:
+            out.append(f"rollout.sglang.{name}={getattr(s, name)} must be >= 1")
+    if s.max_retries < 0:
+        out.append(f"rollout.sglang.max_retries={s.max_retries} must be >= 0")
+    if not 0 < s.mem_fraction <= 1:
+        out.append(f"rollout.sglang.mem_fraction={s.mem_fraction} must be in (0, 1]")
+    for name in ("port", "router_port"):
+        if not 1 <= getattr(s, name) <= 65535:
+            out.append(f"rollout.sglang.{name}={getattr(s, name)} is not a TCP port")
+    for name in ("startup_timeout_s", "request_timeout_s", "weight_update_timeout_s"):
+        if getattr(s, name) <= 0:
+            out.append(f"rollout.sglang.{name}={getattr(s, name)} must be > 0")
+
+
+def _algorithm(c: Config, out: list[str]) -> None:
+    a = c.algorithm
+    if a.adv_estimator in GROUP_ESTIMATORS and c.rollout.n < 2:
+        out.append(f"algorithm.adv_estimator={a.adv_estimator} needs rollout.n >= 2 samples per prompt "
+                   f"(got {c.rollout.n}; verl's GRPO examples use 5)")
+    if a.kl_ctrl.kl_coef < 0:
+        out.append(f"algorithm.kl_ctrl.kl_coef={a.kl_ctrl.kl_coef} must be >= 0")
+    if a.kl_ctrl.type == "adaptive" and (a.kl_ctrl.horizon < 1 or a.kl_ctrl.target_kl <= 0):
+        out.append("algorithm.kl_ctrl: adaptive control needs horizon >= 1 and target_kl > 0")
+    if a.filter_groups.max_num_gen_batches < 0:
+        out.append(f"algorithm.filter_groups.max_num_gen_batches={a.filter_groups.max_num_gen_batches} "
+                   f"must be >= 0 (0 = no limit)")
+
+
+def _actor(c: Config, out: list[str]) -> None:
+    a = c.actor
+    mini, batch = a.ppo_mini_batch_size, c.data.train_batch_size
+    if mini < 1:
+        out.append(f"actor.ppo_mini_batch_size={mini} must be >= 1")
+    elif batch % mini:
+        out.append(f"data.train_batch_size={batch} is not divisible by actor.ppo_mini_batch_size={mini} "
+                   f"(both count prompts; x rollout.n={c.rollout.n} sequences)")
+    micro, tokens = a.ppo_micro_batch_size_per_gpu, a.max_tokens_per_micro_batch
+    if (micro is None) == (tokens is None):
+        out.append("set exactly one of actor.ppo_micro_batch_size_per_gpu and "
+                   f"actor.max_tokens_per_micro_batch (got {micro} and {tokens}; null the other)")
+    if micro is not None and micro < 1:
+        out.append(f"actor.ppo_micro_batch_size_per_gpu={micro} must be >= 1")
+    longest = c.data.max_prompt_length + c.data.max_response_length
+    if tokens is not None and tokens < longest:
+        out.append(f"actor.max_tokens_per_micro_batch={tokens} is below the longest sequence "
+                   f"(max_prompt_length + max_response_length = {longest})")
+    ref_tokens = c.ref.max_tokens_per_micro_batch
+    if ref_tokens is not None and ref_tokens < longest:
+        out.append(f"ref.max_tokens_per_micro_batch={ref_tokens} is below the longest sequence ({longest})")
+    if a.ppo_epochs < 1:
+        out.append(f"actor.ppo_epochs={a.ppo_epochs} must be >= 1")
+    for name in ("clip_ratio_low", "clip_ratio_high"):
+        if not 0 <= getattr(a, name) < 1:
+            out.append(f"actor.{name}={getattr(a, name)} must be in [0, 1)")
+    if a.clip_ratio_c <= 1:
+        out.append(f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip bound)")
+    if a.kl_loss_coef < 0:
+        out.append(f"actor.kl_loss_coef={a.kl_loss_coef} must be >= 0")
+    if a.loss_scale_factor is not None and a.loss_scale_factor <= 0:
+        out.append(f"actor.loss_scale_factor={a.loss_scale_factor} must be > 0 or null")
+    if a.tis_cap is not None and a.tis_cap <= 0:
+        out.append(f"actor.tis_cap={a.tis_cap} must be > 0 or null (off)")
+    if a.grad_clip is not None and a.grad_clip <= 0:
+        out.append(f"actor.grad_clip={a.grad_clip} must be > 0 or null (off)")
+    _optim(c, out)
+
+
+def _optim(c: Config, out: list[str]) -> None:
+    o = c.actor.optim
+    if o.lr <= 0:
+        out.append(f"actor.optim.lr={o.lr} must be > 0")
+    if not 0 <= o.min_lr <= o.lr:
+        out.append(f"actor.optim.min_lr={o.min_lr} must be in [0, lr={o.lr}]")
+    if o.weight_decay < 0:
+        out.append(f"actor.optim.weight_decay={o.weight_decay} must be >= 0")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        out.append(f"actor.optim.betas={o.betas} must be two numbers in [0, 1)")
+    if o.eps <= 0:
+        out.append(f"actor.optim.eps={o.eps} must be > 0")
+    if o.lr_warmup_steps < 0:
+        out.append(f"actor.optim.lr_warmup_steps={o.lr_warmup_steps} must be >= 0")
+
+
+def _reward(c: Config, out: list[str]) -> None:
+    r = c.reward
+    if r.function not in BUILTIN_REWARDS:
+        target, sep, fn = r.function.rpartition(":")
+        if not sep or not target or not fn.isidentifier():
+            out.append(f"reward.function={r.function!r} must be one of {', '.join(BUILTIN_REWARDS)}, "
+                       f"'pkg.module:fn' or 'path/to/file.py:fn'")
+    if r.num_workers < 0:
+        out.append(f"reward.num_workers={r.num_workers} must be >= 0 (0 = in-process)")
+    if r.timeout_s <= 0:
+        out.append(f"reward.timeout_s={r.timeout_s} must be > 0")
+
+
+def _checkpoint(c: Config, out: list[str]) -> None:
+    k = c.checkpoint
+    if k.save_interval != -1 and k.save_interval < 1:
+        out.append(f"checkpoint.save_interval={k.save_interval} must be -1 (off) or >= 1")
+    if k.keep_last is not None and k.keep_last < 1:
+        out.append(f"checkpoint.keep_last={k.keep_last} must be >= 1 or null (keep all)")
+    if not k.resume.strip():
+        out.append("checkpoint.resume must be auto, never or a checkpoint folder (got an empty string)")
+
+
+def _trainer(c: Config, out: list[str]) -> None:
+    t = c.trainer
+    if t.total_epochs < 1:
+        out.append(f"trainer.total_epochs={t.total_epochs} must be >= 1")
+    if t.total_steps is not None and t.total_steps < 1:
+        out.append(f"trainer.total_steps={t.total_steps} must be >= 1 or null")
+    if t.max_consecutive_nan_steps < 1:
+        out.append(f"trainer.max_consecutive_nan_steps={t.max_consecutive_nan_steps} must be >= 1")
+    if c.logging.log_interval < 1:
+        out.append(f"logging.log_interval={c.logging.log_interval} must be >= 1")
+
+
+def _eval(c: Config, out: list[str]) -> None:
+    e = c.eval
+    if e.interval != -1 and e.interval < 1:
+        out.append(f"eval.interval={e.interval} must be -1 (off) or >= 1")
+    if (e.interval != -1 or e.before_train) and not c.data.val_files and c.data.task is None:
+        out.append("eval is on but there is no validation data: set data.val_files (or data.task)")
+    if e.n_samples < 1:
+        out.append(f"eval.n_samples={e.n_samples} must be >= 1")
+    if e.greedy and e.n_samples > 1:
+        out.append(f"eval.greedy=true gives {e.n_samples} identical samples; set eval.n_samples=1 or "
+                   "eval.greedy=false")
+    if not e.greedy and e.temperature <= 0:
+        out.append(f"eval.temperature={e.temperature} must be > 0 when eval.greedy=false")
+    bad = [k for k in e.pass_k if not 1 <= k <= e.n_samples]
+    if bad:
+        out.append(f"eval.pass_k={e.pass_k}: each k must be in [1, eval.n_samples={e.n_samples}]")
+    if e.val_batch_size is not None and e.val_batch_size < 1:
+        out.append(f"eval.val_batch_size={e.val_batch_size} must be >= 1 or null")
+
+
+def _world(c: Config, world_size: int, out: list[str]) -> None:
+    p = c.parallel
+    model_parallel = p.tensor * p.pipeline * p.context
+    if world_size < 1 or world_size % model_parallel:
+        out.append(f"world size {world_size} is not divisible by parallel.tensor x pipeline x context = "
+                   f"{p.tensor} x {p.pipeline} x {p.context}")
+        return
+    dp = world_size // model_parallel
+    per_step = c.actor.ppo_mini_batch_size * c.rollout.n  # sequences per mini-batch
+    if per_step % dp:
+        out.append(f"a mini-batch of actor.ppo_mini_batch_size x rollout.n = {per_step} sequences is not "
+                   f"divisible by the data-parallel size {dp}")
+        return
+    micro = c.actor.ppo_micro_batch_size_per_gpu
+    if micro is not None and micro >= 1 and (per_step // dp) % micro:
+        out.append(f"{per_step // dp} sequences per data-parallel rank per mini-batch are not divisible by "
+                   f"actor.ppo_micro_batch_size_per_gpu={micro}")
