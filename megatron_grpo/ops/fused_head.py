@@ -1,0 +1,134 @@
+"""Output layer + vocab-parallel log-probs (and entropy) in one pass, chunk by chunk over tokens.
+
+    logits = hidden @ weight.T    hidden [..., H] (full sequence, replicated over TP), weight [V/tp, H]
+
+is never materialised for all tokens: each chunk of `chunk_size` rows computes its logits shard,
+folds it into the per-token statistics of ops.vocab_parallel and is dropped; the backward
+recomputes the chunk's logits, forms its logit gradient (in the hidden dtype, as the unfused
+backward would) and accumulates
+    grad_hidden[chunk] = grad_logits @ weight            (all_reduced over TP at the end, as
+                                                          megatron's ColumnParallelLinear does)
+    grad_weight       += grad_logits.T @ hidden[chunk]    (fp32 accumulator, cast at the end)
+Peak memory is therefore the inputs, their gradients, the fp32 weight-grad accumulator and one
+chunk of logits, independent of the number of tokens.
+
+Not handled here: sequence parallelism (hidden must be the full sequence on every TP rank) and an
+output-layer bias (GPT output layers have none).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.ops.vocab_parallel import (
+    CPU_CHUNK_ELEMENTS, CUDA_CHUNK_ELEMENTS, VocabShard, _prepare_upstream, accumulate_chunk_stats, chunk_grad,
+    combine_stats, default_chunk_size, empty_stats, flatten_ignored, local_targets_and_ownership,
+    outputs_from_stats, resolve_vocab_shard, scaled_chunk)
+
+# The head's matmuls want more rows per chunk than the softmax alone (a small chunk re-reads the
+# whole weight shard for few tokens), so its default chunk is 16x the vocab_parallel one.
+FUSED_CHUNK_FACTOR = 16
+
+
+def _chunk_logits(hidden_chunk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return hidden_chunk @ weight.t()
+
+
+class _FusedHeadLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignored, temperature, shard, chunk_size, with_entropy):
+        h = hidden.reshape(-1, hidden.shape[-1])
+        n = h.shape[0]
+        local, owned = local_targets_and_ownership(targets.reshape(-1), ignored, shard)
+        stats = empty_stats(n, h.device, with_entropy)
+        if shard.valid > 0:
+            buffer = torch.empty(min(chunk_size, max(n, 1)), shard.local_size, dtype=torch.float32, device=h.device)
+            for r0 in range(0, n, chunk_size):
+                rows = slice(r0, min(r0 + chunk_size, n))
+                z = scaled_chunk(_chunk_logits(h[rows], weight), shard, temperature, buffer)
+                accumulate_chunk_stats(z, rows, local, owned, stats)
+            del buffer
+        stats = combine_stats(stats, shard)
+        logp, lse, entropy, mean_z = outputs_from_stats(stats, ignored)
+        ctx.save_for_backward(hidden, weight, local, owned, ignored, lse, mean_z)
+        ctx.meta = (temperature, shard, chunk_size)
+        shape = targets.shape
+        if with_entropy:
+            return logp.view(shape), entropy.view(shape)
+        return logp.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy=None):
+        hidden, weight, local, owned, ignored, lse, mean_z = ctx.saved_tensors
+        temperature, shard, chunk_size = ctx.meta
+        g_lp, g_h = _prepare_upstream(grad_logp, grad_entropy, ignored, temperature, lse)
+        h = hidden.reshape(-1, hidden.shape[-1])
+        n = h.shape[0]
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.zeros(h.shape, dtype=hidden.dtype, device=h.device) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        if shard.valid > 0:
+            buffer = torch.empty(min(chunk_size, max(n, 1)), shard.local_size, dtype=torch.float32, device=h.device)
+            grad_logits = torch.zeros(buffer.shape, dtype=hidden.dtype, device=h.device)  # padded columns stay 0
+            for r0 in range(0, n, chunk_size):
+                rows = slice(r0, min(r0 + chunk_size, n))
+                z = scaled_chunk(_chunk_logits(h[rows], weight), shard, temperature, buffer)
+                g = grad_logits[: rows.stop - rows.start]
+                g[:, : shard.valid] = chunk_grad(z, rows, lse, mean_z, g_lp, g_h, local, owned)
+                if want_hidden:
+                    torch.mm(g, weight, out=grad_hidden[rows])
+                if want_weight:
+                    grad_weight += g.t() @ h[rows]
+        if want_hidden:
+            if shard.group is not None:
+                dist.all_reduce(grad_hidden, group=shard.group)  # hidden is replicated over the TP group
+            grad_hidden = grad_hidden.view(hidden.shape)
+        if want_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def _run(hidden, weight, targets, temperature, vocab_size, ignore_mask, ignore_index, tp_group, chunk_size,
+         with_entropy):
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be targets {tuple(targets.shape)} + [H]")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [V/tp, H={hidden.shape[-1]}]")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    shard = resolve_vocab_shard(weight.shape[0], vocab_size, tp_group)
+    ignored = flatten_ignored(targets, ignore_mask, ignore_index,
+                              shard.local_size * shard.world_size if vocab_size is None else vocab_size)
+    if chunk_size is None:
+        elements = (CUDA_CHUNK_ELEMENTS if hidden.device.type == "cuda" else CPU_CHUNK_ELEMENTS) * FUSED_CHUNK_FACTOR
+        chunk_size = default_chunk_size(shard.local_size, hidden.device, elements)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _FusedHeadLogProbs.apply(hidden, weight, targets, ignored, float(temperature), shard, int(chunk_size),
+                                    with_entropy)
+
+
+def fused_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                        temperature: float = 1.0, vocab_size: Optional[int] = None,
+                        ignore_mask: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                        tp_group: Optional[dist.ProcessGroup] = None,
+                        chunk_size: Optional[int] = None) -> torch.Tensor:
+    """log softmax((hidden @ weight.T) / temperature)[target], fp32, shape of targets, without
+    materialising the logits of all tokens. hidden [..., H], weight [V/tp, H] this rank's shard;
+    other arguments as ops.vocab_parallel.vocab_parallel_logprobs. Grads flow to hidden and weight."""
+    return _run(hidden, weight, targets, temperature, vocab_size, ignore_mask, ignore_index, tp_group,
+                chunk_size, False)
+
+
+def fused_head_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                                    temperature: float = 1.0, vocab_size: Optional[int] = None,
+                                    ignore_mask: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                                    tp_group: Optional[dist.ProcessGroup] = None,
+                                    chunk_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropy), both differentiable; arguments as `fused_head_logprobs`."""
+    return _run(hidden, weight, targets, temperature, vocab_size, ignore_mask, ignore_index, tp_group,
+                chunk_size, True)
