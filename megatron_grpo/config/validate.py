@@ -12,7 +12,7 @@ from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError
 
 GROUP_ESTIMATORS = ("grpo", "rloo")  # need >= 2 samples per prompt to form a baseline
-BUILTIN_REWARDS = ("gsm8k", "math")
+BUILTIN_REWARDS = ("gsm8k", "math", "synthetic")  # mirrors rewards.loader.BUILTIN_REWARDS (kept import-free)
 
 
 def validate(config: Config, world_size: Optional[int] = None) -> None:
