@@ -1,0 +1,262 @@
+"""LocalEngine: an in-process HF transformers causal LM that samples with a KV cache.
+
+The embedded default's rollout engine (CPU or one GPU). All n x prompts sequences decode as one
+batch: prompts are left-padded (attention mask + explicit position ids), each distinct prompt is
+prefilled once and its KV cache repeated for its n samples, and finished rows are dropped from the
+batch once a quarter of it has finished."""
+from __future__ import annotations
+
+import inspect
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from megatron_grpo.rollout.engine import NamedTensors, RolloutEngine
+from megatron_grpo.rollout.sampling import make_state, sample_tokens
+from megatron_grpo.rollout.types import (EngineHealth, GenerationRequest, Sample, SamplingParams,
+                                         derive_sample_seed)
+from megatron_grpo.rollout.weights import HFWeightLoader, WeightLoadReport
+
+# Compact the batch once this fraction of its rows has finished: the copy of the KV cache costs
+# about one decoding step, so doing it for every finished row would cost more than it saves.
+_COMPACT_FRACTION = 0.25
+
+
+@dataclass
+class _Row:
+    """One sequence being decoded (sample `sample_index` of request `request_index`)."""
+
+    request_index: int
+    sample_index: int
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    response: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+    matched: int | str | None = None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+class LocalEngine(RolloutEngine):
+    """Samples from `model` (an HF causal LM) in this process; see the module docstring.
+
+    `tokenizer` is only needed for stop strings. EOS ids come from `eos_token_ids`, else the
+    model's generation config / config, else the tokenizer. `max_batch_rows` bounds the number
+    of sequences decoded together (memory); `seed` seeds the requests that carry none."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, device: str | torch.device = "cpu",
+                 eos_token_ids: Sequence[int] | None = None, seed: int = 0, max_batch_rows: int = 256):
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.max_batch_rows = max_batch_rows
+        self._loader = HFWeightLoader(self.model)
+        self._lock = threading.RLock()  # generate and update_weights never interleave
+        self._abort = threading.Event()
+        self._version = 0
+        self._seed_generator = torch.Generator().manual_seed(seed)
+        self.eos_token_ids = frozenset(self._find_eos(eos_token_ids))
+        params = inspect.signature(self.model.forward).parameters
+        # transformers >= 5.x renamed past_key_values to cache; accept both generations.
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._has_logits_to_keep = "logits_to_keep" in params
+
+    # ----- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32, **kwargs: Any) -> "LocalEngine":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"local rollout engine: {path} has no config.json (expected an HF model folder)")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(model, tokenizer, device=device, **kwargs)
+
+    @classmethod
+    def from_config(cls, config: Any, tokenizer: Any = None, *, init_seed: int = 0,
+                    device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                    **kwargs: Any) -> "LocalEngine":
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(init_seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return cls(model, tokenizer, device=device, **kwargs)
+
+    def _find_eos(self, explicit: Sequence[int] | None) -> list[int]:
+        if explicit is not None:
+            return _as_id_list(explicit)
+        for source in (getattr(self.model, "generation_config", None), getattr(self.model, "config", None),
+                       self.tokenizer):
+            ids = _as_id_list(getattr(source, "eos_token_id", None)) if source is not None else []
+            if ids:
+                return ids
+        return []
+
+    # ----- RolloutEngine ----------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]:
+        for req in requests:
+            if req.sampling.stop and self.tokenizer is None:
+                raise ValueError(f"request {req.group_id!r} has stop strings {req.sampling.stop} but the local "
+                                 f"engine has no tokenizer to decode them")
+        rows = [self._new_row(i, j, req) for i, req in enumerate(requests) for j in range(req.sampling.n)]
+        seeds = [self._row_seed(req) for req in requests]
+        with self._lock, torch.inference_mode():
+            self._abort.clear()
+            for chunk in self._chunks(rows):
+                self._decode(requests, chunk, seeds)
+        version = self._version
+        return [Sample(group_id=requests[r.request_index].group_id, sample_index=r.sample_index,
+                       prompt_ids=list(requests[r.request_index].prompt_ids), response_ids=r.response,
+                       logprobs=r.logprobs, finish_reason=r.finish, weight_version=version,
+                       matched_stop=r.matched) for r in rows]
+
+    def abort(self) -> None:
+        """Ends the running generate(): unfinished samples come back with finish reason 'abort'."""
+        self._abort.set()
+
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        self.load_weights(named_tensors, version)
+
+    def load_weights(self, named_tensors: NamedTensors, version: int) -> WeightLoadReport:
+        """update_weights, returning what was loaded (tensors, bytes)."""
+        with self._lock:
+            report = self._loader.load(named_tensors, require_all=True)
+            self._version = int(version)
+        return report
+
+    def release_memory(self) -> None:
+        # On CPU there is nothing to give back: weights stay, the KV cache lives only inside generate().
+        if self.device.type == "cuda":
+            with self._lock:
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        if self.device.type == "cuda":
+            with self._lock:
+                self.model.to(self.device)
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(True, f"local {type(self.model).__name__} on {self.device}", self._version)
+
+    # ----- decoding ---------------------------------------------------------------------------
+    def _new_row(self, request_index: int, sample_index: int, req: GenerationRequest) -> _Row:
+        stop_ids = set(req.sampling.stop_token_ids)
+        if not req.sampling.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        return _Row(request_index, sample_index, req.sampling, frozenset(stop_ids))
+
+    def _row_seed(self, req: GenerationRequest) -> int:
+        if req.sampling.seed is not None:
+            return int(req.sampling.seed)
+        return int(torch.randint(0, 2**62, (1,), generator=self._seed_generator))
+
+    def _chunks(self, rows: list[_Row]) -> list[list[_Row]]:
+        """Groups rows into batches of at most max_batch_rows, never splitting a request."""
+        chunks: list[list[_Row]] = []
+        current: list[_Row] = []
+        for row in rows:
+            starts_request = row.sample_index == 0
+            if current and starts_request and len(current) + row.params.n > self.max_batch_rows:
+                chunks.append(current)
+                current = []
+            current.append(row)
+        if current:
+            chunks.append(current)
+        return chunks
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 cache: Any) -> torch.Tensor:
+        kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True}
+        if self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        return out.logits[:, -1].float()
+
+    def _decode(self, requests: Sequence[GenerationRequest], rows: list[_Row], seeds: list[int]) -> None:
+        from transformers import DynamicCache
+
+        device = self.device
+        request_ids = sorted({r.request_index for r in rows})
+        slot_of = {req_index: slot for slot, req_index in enumerate(request_ids)}
+        prompts = [requests[i].prompt_ids for i in request_ids]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+        mask = torch.zeros(len(prompts), width, dtype=torch.int64)
+        for slot, prompt in enumerate(prompts):  # left padding: every prompt ends at the last column
+            input_ids[slot, width - len(prompt):] = torch.tensor(prompt)
+            mask[slot, width - len(prompt):] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(input_ids, mask, positions, cache)
+
+        # One prefill per distinct prompt; its cache rows are repeated for the prompt's n samples.
+        expand = torch.tensor([slot_of[r.request_index] for r in rows], device=device)
+        if len(rows) != len(prompts):
+            cache.batch_select_indices(expand)
+        logits, mask = logits[expand], mask[expand]
+        next_pos = torch.tensor([len(requests[r.request_index].prompt_ids) for r in rows], device=device)
+        state = make_state([r.params.temperature for r in rows], [r.params.top_p for r in rows],
+                           [r.params.top_k for r in rows],
+                           [derive_sample_seed(seeds[r.request_index], r.sample_index) for r in rows], device)
+        batch = list(rows)  # batch position -> row
+        stop_window = {id(r): max((len(s) for s in r.params.stop), default=0) + 1 for r in rows}
+
+        while True:
+            tokens, logprobs = sample_tokens(logits, state)
+            for row, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist()):
+                if row.finish is not None:
+                    continue
+                row.response.append(token)
+                row.logprobs.append(logprob)
+                self._check_finished(row, token, stop_window[id(row)])
+            if self._abort.is_set():
+                for row in batch:
+                    if row.finish is None:
+                        row.finish = "abort"
+            alive = [i for i, row in enumerate(batch) if row.finish is None]
+            if not alive:
+                return
+            if len(batch) - len(alive) >= _COMPACT_FRACTION * len(batch):
+                keep = torch.tensor(alive, device=device)
+                cache.batch_select_indices(keep)
+                mask, next_pos, tokens = mask[keep], next_pos[keep], tokens[keep]
+                state = state.select(alive)
+                batch = [batch[i] for i in alive]
+            mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
+            logits = self._forward(tokens[:, None], mask, next_pos[:, None], cache)
+            next_pos = next_pos + 1
+
+    def _check_finished(self, row: _Row, token: int, stop_window: int) -> None:
+        if token in row.stop_ids:
+            row.finish, row.matched = "stop", token
+        elif row.params.stop and (matched := self._matched_stop_string(row, stop_window)) is not None:
+            row.finish, row.matched = "stop", matched
+        elif len(row.response) >= row.params.max_new_tokens:
+            row.finish = "length"
+
+    def _matched_stop_string(self, row: _Row, window: int) -> str | None:
+        # Every token decodes to >= 1 character, so a stop string completed by the newest token
+        # lies within the last len(stop) + 1 tokens.
+        tail = self.tokenizer.decode(row.response[-window:])
+        for stop in row.params.stop:
+            if stop in tail:
+                return stop
+        return None

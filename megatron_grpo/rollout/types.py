@@ -1,0 +1,101 @@
+"""Plain data passed between the trainer and rollout engines: requests in, samples out."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+
+def derive_sample_seed(seed: int, sample_index: int) -> int:
+    """The seed of sample `sample_index` of a request seeded with `seed`.
+
+    The n samples of one seeded request must differ from each other (identical samples would give a
+    GRPO group zero advantage), yet each must be reproducible on its own; every engine uses this
+    same derivation so that the local engine and SGLang agree on which seed each sample got."""
+    return (seed * 1_000_003 + sample_index * 7_919 + 1) % (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (SGLang's names; temperature 0 means greedy)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"sampling n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"sampling temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"sampling top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        # Accept lists from YAML / JSON but keep the dataclass hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if any(not s for s in self.stop):
+            raise ValueError("sampling stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt (token ids) to sample `sampling.n` responses for; `group_id` ties them together."""
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    group_id: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.group_id!r}: prompt_ids is empty")
+
+
+@dataclass
+class Sample:
+    """One generated response. `logprobs[i]` is log_softmax(logits / T)[response_ids[i]] in fp32,
+    taken before top-p/top-k filtering (T = 1 for greedy), the trainer's definition."""
+
+    group_id: str
+    sample_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: int
+    matched_stop: int | str | None = None  # the stop token id or stop string that ended it
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+        if len(self.response_ids) != len(self.logprobs):
+            raise ValueError(f"sample {self.group_id!r}/{self.sample_index}: {len(self.response_ids)} "
+                             f"response ids but {len(self.logprobs)} log-probs")
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """What `health()` reports: healthy only if every server / the model answered."""
+
+    healthy: bool
+    detail: str = ""
+    weight_version: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.healthy

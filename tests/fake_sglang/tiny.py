@@ -1,0 +1,54 @@
+"""Tiny random HF models and a character-level tokenizer, built from configs (no downloads)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 300
+PAD_ID, EOS_ID = 0, 1
+
+
+def char_tokenizer():
+    """A PreTrainedTokenizerFast whose tokens are single characters (ids 2..299) plus <pad>, <eos>."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(0x400, 0x400 + VOCAB_SIZE - 2 - 94)]
+    vocab = {"<pad>": PAD_ID, "<eos>": EOS_ID}
+    vocab.update({ch: i + 2 for i, ch in enumerate(chars)})
+    assert len(vocab) == VOCAB_SIZE
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+
+
+def tiny_qwen3_config(tie_word_embeddings: bool = False):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, intermediate_size=128, vocab_size=VOCAB_SIZE, max_position_embeddings=512,
+                       tie_word_embeddings=tie_word_embeddings, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+
+
+def tiny_model(seed: int, tie_word_embeddings: bool = False, scale: float = 1.0):
+    """A random tiny Qwen3 in fp32. `scale` multiplies the weights: > 1 gives peakier next-token
+    distributions, so samples are not uniform noise."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_qwen3_config(tie_word_embeddings), dtype=torch.float32)
+    if scale != 1.0:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" not in name:
+                    param.mul_(scale)
+    return model.eval()
+
+
+def save_tiny_model(folder: str | Path, seed: int, tie_word_embeddings: bool = False, scale: float = 1.0) -> Path:
+    """Writes an HF folder (config, safetensors, tokenizer) for the fake server / disk tests."""
+    folder = Path(folder)
+    tiny_model(seed, tie_word_embeddings, scale).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
