@@ -87,7 +87,8 @@ def suggest(key: str, section: type, root: type) -> str | None:
     by_name = [k for k in everything if difflib.SequenceMatcher(None, name, k.rpartition(".")[2]).ratio() >= 0.8]
     if by_name:
         return max(by_name, key=lambda k: difflib.SequenceMatcher(None, key, k).ratio())
-    match = difflib.get_close_matches(key, everything, n=1, cutoff=0.6)
+    ancestors = {key.rsplit(".", i)[0] for i in range(1, key.count(".") + 1)}
+    match = difflib.get_close_matches(key, [k for k in everything if k not in ancestors], n=1, cutoff=0.6)
     return match[0] if match else None
 
 
@@ -118,15 +119,15 @@ def coerce(value: Any, tp: Any, key: str, sources: Sources, root: type) -> Any:
     if tp is Any:
         return value
     if is_optional(tp):
-        return None if value is None else coerce(value, strip_optional(tp), key, sources, root)
+        if value is None:
+            return None
+        inner = strip_optional(tp)
+        if _is_scalar(inner):  # report "int or null", not just "int"
+            return _scalar(value, inner, key, tp, sources)
+        return coerce(value, inner, key, sources, root)
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp):
         return build(tp, value, key, sources, root)
-    if origin is Literal:
-        # `type(a) is type(value)` keeps True from matching 1
-        if any(value == a and type(a) is type(value) for a in get_args(tp)):
-            return value
-        raise type_error(key, tp, value, sources)
     if origin is list:
         if not isinstance(value, list):
             raise type_error(key, tp, value, sources)
@@ -137,14 +138,29 @@ def coerce(value: Any, tp: Any, key: str, sources: Sources, root: type) -> Any:
             raise type_error(key, tp, value, sources)
         _, item = get_args(tp)
         return {k: coerce(v, item, f"{key}.{k}", sources, root) for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
+    if _is_scalar(tp):
+        return _scalar(value, tp, key, tp, sources)
+    raise TypeError(f"unsupported schema type {tp!r} for {key}")  # a schema bug, not a user error
+
+
+def _is_scalar(tp: Any) -> bool:
+    return tp in (bool, int, float, str) or get_origin(tp) is Literal
+
+
+def _scalar(value: Any, tp: Any, key: str, declared: Any, sources: Sources) -> Any:
+    """A bool / int / float / str / Literal value; errors describe the `declared` field type."""
+    if get_origin(tp) is Literal:
+        # `type(a) is type(value)` keeps True from matching 1
+        if any(value == a and type(a) is type(value) for a in get_args(tp)):
+            return value
+    elif isinstance(value, bool):
+        if tp is bool:
             return value
     elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value, int):
             return value
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)):
             return float(value)
         if isinstance(value, str):
             try:
@@ -154,9 +170,7 @@ def coerce(value: Any, tp: Any, key: str, sources: Sources, root: type) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
-    else:
-        raise TypeError(f"unsupported schema type {tp!r} for {key}")  # a schema bug
-    raise type_error(key, tp, value, sources)
+    raise type_error(key, declared, value, sources)
 
 
 def type_error(key: str, tp: Any, value: Any, sources: Sources) -> ConfigError:

@@ -6,7 +6,8 @@ Value syntax, by field type:
 - int, float, bool, mappings: a YAML scalar / flow value (`true`, `3`, `1e-6`, `{a: 1}`).
 - lists: YAML flow syntax `[1,2]` / `["a","b"]`, or comma-separated `a,b`; `[]` is empty.
 - any Optional field: `null` (or `~`) sets None.
-A section given as a mapping (`actor.optim={lr: 1e-5}`) merges into what the recipe set.
+A section given as a mapping (`actor.optim={lr: 1e-5}`) merges into what the recipe set; a
+free-form mapping field (`model.override_config={...}`) is replaced whole.
 """
 from __future__ import annotations
 
@@ -76,14 +77,16 @@ def apply_override(recipe: RawRecipe, text: str, root: type) -> None:
     """Sets one `key=value` override into the raw recipe, recording it as the key's source."""
     key, raw = split_override(text)
     where = f" (override '{text}')"
-    value = parse_value(raw, field_type_at(root, key, where), where)
+    tp = field_type_at(root, key, where)
+    value = parse_value(raw, tp, where)
     *parents, last = key.split(".")
     node = recipe.data
     for part in parents:
         if not isinstance(node.get(part), dict):
             node[part] = {}
         node = node[part]
-    if isinstance(value, dict) and isinstance(node.get(last), dict):
+    # a section merges with what the recipe set; a free-form mapping field is replaced whole
+    if dataclasses.is_dataclass(strip_optional(tp)) and isinstance(value, dict) and isinstance(node.get(last), dict):
         deep_merge(node[last], value)
     else:
         node[last] = value

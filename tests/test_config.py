@@ -1,0 +1,376 @@
+"""Typed config: verl defaults, YAML recipes with defaults:, overrides, every error class, round trip."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_grpo.config import (
+    Config,
+    config_from_dict,
+    load_config,
+    resolve_recipe,
+    to_dict,
+    to_yaml,
+    validate,
+)
+from megatron_grpo.errors import ConfigError
+
+# A minimal valid base for validation tests: a model with known dims and synthetic data.
+VALID = ["model.override_config={num_attention_heads: 8, num_key_value_heads: 4, num_hidden_layers: 4}",
+         "data.task=reverse_digits", "rollout.n=4", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8"]
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
+    return path
+
+
+def error_of(fn, *args, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def valid(*overrides: str) -> Config:
+    return load_config(None, [*VALID, *overrides])
+
+
+# ---------------------------------------------------------------- defaults
+
+
+def test_defaults_equal_verl():
+    c = Config()
+    assert c.algorithm.adv_estimator == "grpo"
+    assert c.algorithm.norm_adv_by_std_in_grpo is True
+    assert c.algorithm.use_kl_in_reward is False
+    assert c.algorithm.kl_penalty == "kl"
+    assert c.algorithm.kl_ctrl.kl_coef == 0.001
+    assert (c.algorithm.kl_ctrl.horizon, c.algorithm.kl_ctrl.target_kl) == (10000, 0.1)
+    assert c.rollout.n == 1 and c.rollout.temperature == 1.0 and c.rollout.top_p == 1.0
+    assert c.rollout.top_k == -1
+    a = c.actor
+    assert a.use_kl_loss is False and a.kl_loss_coef == 0.001 and a.kl_loss_type == "low_var_kl"
+    assert a.loss_agg_mode == "token-mean"
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c) == (0.2, 0.2, 3.0)
+    assert a.entropy_coeff == 0.0 and a.ppo_epochs == 1 and a.ppo_mini_batch_size == 256
+    assert a.policy_loss.loss_mode == "vanilla" and a.grad_clip == 1.0
+    assert a.optim.lr == 1e-6 and a.optim.weight_decay == 0.01 and a.optim.lr_scheduler == "constant"
+    assert c.data.train_batch_size == 1024
+    assert (c.data.max_prompt_length, c.data.max_response_length) == (512, 512)
+    assert c.data.truncation == "error" and c.data.prompt_key == "prompt"
+    assert c.trainer.total_epochs == 30
+    assert c.checkpoint.save_interval == -1 and c.eval.interval == -1
+    assert c.algorithm.filter_groups.enable is False and c.algorithm.filter_groups.max_num_gen_batches == 0
+
+
+def test_no_recipe_gives_defaults():
+    assert load_config() == Config()
+
+
+def test_shipped_recipes_load_and_validate():
+    config = load_config("tiny_cpu")
+    validate(config, world_size=1)
+    assert config.rollout.engine == "local" and config.trainer.device == "cpu"
+    assert config.actor.use_kl_loss is False  # tiny_cpu overrides base.yaml
+    assert config.actor.kl_loss_type == "low_var_kl"
+    base = load_config(resolve_recipe("base"))
+    assert base.rollout.n == 5 and base.actor.use_kl_loss is True
+
+
+# ---------------------------------------------------------------- YAML errors
+
+
+def test_unknown_key_names_file_line_and_closest_sibling(tmp_path):
+    path = write(tmp_path, "r.yaml", """
+        actor:
+          ppo_epochs: 2
+          clip_ratio_hi: 0.28
+        """)
+    message = error_of(load_config, path)
+    assert message == (f"unknown key 'actor.clip_ratio_hi' ({path}:3); did you mean 'actor.clip_ratio_high'?")
+
+
+def test_unknown_key_suggests_same_name_in_other_section(tmp_path):
+    path = write(tmp_path, "r.yaml", "actor:\n  lr: 0.1\n")
+    assert "did you mean 'actor.optim.lr'?" in error_of(load_config, path)
+    path = write(tmp_path, "s.yaml", "rolout:\n  n: 2\n")
+    assert error_of(load_config, path) == f"unknown key 'rolout' ({path}:1); did you mean 'rollout'?"
+
+
+def test_unknown_key_without_close_match_has_no_suggestion(tmp_path):
+    path = write(tmp_path, "r.yaml", "trainer:\n  zzzzqqq: 1\n")
+    assert error_of(load_config, path) == f"unknown key 'trainer.zzzzqqq' ({path}:2)"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("actor:\n  ppo_epochs: two\n", "actor.ppo_epochs: expected int, got 'two' (str) ({p}:2)"),
+    ("actor:\n  ppo_epochs: 1.5\n", "actor.ppo_epochs: expected int, got 1.5 (float) ({p}:2)"),
+    ("parallel:\n  sequence_parallel: 1\n",
+     "parallel.sequence_parallel: expected bool, got 1 (int) ({p}:2)"),
+    ("trainer:\n  seed: true\n", "trainer.seed: expected int, got True (bool) ({p}:2)"),
+    ("data:\n  truncation: middle\n",
+     "data.truncation: expected one of 'error', 'left', 'right', 'filter', got 'middle' (str) ({p}:2)"),
+    ("data:\n  train_files: a.jsonl\n",
+     "data.train_files: expected a list of str, got 'a.jsonl' (str) ({p}:2)"),
+    ("rollout:\n  stop_token_ids: [1, x]\n",
+     "rollout.stop_token_ids[1]: expected int, got 'x' (str) ({p}:2)"),
+    ("actor:\n  optim: 3\n", "actor.optim: expected a mapping (section), got 3 (int) ({p}:2)"),
+    ("trainer:\n  total_epochs: null\n", "trainer.total_epochs: expected int, got null ({p}:2)"),
+    ("model:\n  path: 7\n", "model.path: expected str or null, got 7 (int) ({p}:2)"),
+])
+def test_wrong_type_names_key_expected_type_and_value(tmp_path, text, expected):
+    path = write(tmp_path, "r.yaml", text)
+    assert error_of(load_config, path) == expected.format(p=path)
+
+
+def test_floats_accept_ints_and_yaml11_exponents(tmp_path):
+    # pyyaml reads `1e-6` (no dot) as a string; a float field still takes it
+    path = write(tmp_path, "r.yaml", "actor:\n  optim:\n    lr: 1e-6\n  clip_ratio_c: 3\n")
+    config = load_config(path)
+    assert config.actor.optim.lr == 1e-6 and isinstance(config.actor.clip_ratio_c, float)
+    assert error_of(load_config, write(tmp_path, "s.yaml", "actor:\n  optim:\n    lr: fast\n")).startswith(
+        "actor.optim.lr: expected float, got 'fast' (str)")
+
+
+def test_bad_yaml_names_file_and_line(tmp_path):
+    path = write(tmp_path, "r.yaml", "actor:\n  ppo_epochs: 1\n   bad: indent\n")
+    message = error_of(load_config, path)
+    assert message.startswith(f"{path}:3: invalid YAML: ")
+    path = write(tmp_path, "s.yaml", "data:\n  train_files: [a, b\nactor: {}\n")
+    assert error_of(load_config, path).startswith(f"{path}:3: invalid YAML: ")
+
+
+def test_duplicate_key_and_non_mapping_recipe(tmp_path):
+    path = write(tmp_path, "r.yaml", "rollout:\n  n: 2\n  n: 4\n")
+    assert error_of(load_config, path) == f"{path}:3: duplicate key 'rollout.n'"
+    path = write(tmp_path, "s.yaml", "- a\n- b\n")
+    assert error_of(load_config, path) == f"{path}:1: a recipe must be a mapping of sections, got list"
+
+
+def test_empty_recipe_and_empty_section(tmp_path):
+    assert load_config(write(tmp_path, "r.yaml", "")) == Config()
+    assert load_config(write(tmp_path, "s.yaml", "rollout:\n  # n: 3\n")) == Config()
+
+
+def test_missing_recipe_lists_available(tmp_path):
+    message = error_of(load_config, "no_such_recipe")
+    assert message.startswith("recipe 'no_such_recipe' not found") and "tiny_cpu" in message
+    assert error_of(load_config, tmp_path / "x.yaml").startswith(f"recipe '{tmp_path / 'x.yaml'}' not found")
+
+
+# ---------------------------------------------------------------- defaults: inheritance
+
+
+def test_defaults_merge_in_order_then_recipe(tmp_path):
+    write(tmp_path, "a.yaml", """
+        rollout: {n: 2, stop: ["x", "y"], temperature: 0.7}
+        actor: {optim: {lr: 0.1, weight_decay: 0.5}}
+        """)
+    (tmp_path / "sub").mkdir()
+    write(tmp_path, "sub/b.yaml", "rollout: {n: 3}\nactor: {optim: {lr: 0.2}}\n")
+    recipe = write(tmp_path, "r.yaml", """
+        defaults: [a.yaml, sub/b.yaml]
+        rollout:
+          stop: ["z"]
+        """)
+    c = load_config(recipe)
+    assert c.rollout.n == 3  # b after a
+    assert c.rollout.temperature == 0.7  # only a sets it
+    assert c.rollout.stop == ["z"]  # lists are replaced, not appended
+    assert (c.actor.optim.lr, c.actor.optim.weight_decay) == (0.2, 0.5)  # mappings merge per key
+
+
+def test_defaults_relative_to_including_file_and_errors_name_base_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    base = write(tmp_path, "sub/base.yaml", "defaults: [root.yaml]\nactor:\n  ppo_epoch: 2\n")
+    write(tmp_path, "sub/root.yaml", "trainer: {seed: 7}\n")
+    recipe = write(tmp_path, "r.yaml", "defaults: sub/base.yaml\n")
+    assert error_of(load_config, recipe) == (
+        f"unknown key 'actor.ppo_epoch' ({base}:3); did you mean 'actor.ppo_epochs'?")
+    base.write_text("defaults: [root.yaml]\n")
+    assert load_config(recipe).trainer.seed == 7
+
+
+def test_defaults_errors(tmp_path):
+    recipe = write(tmp_path, "r.yaml", "defaults: [missing.yaml]\n")
+    assert error_of(load_config, recipe) == (
+        f"{recipe}:1: defaults entry 'missing.yaml' not found (looked for {tmp_path / 'missing.yaml'})")
+    write(tmp_path, "a.yaml", "defaults: [b.yaml]\n")
+    write(tmp_path, "b.yaml", "defaults: [a.yaml]\n")
+    assert error_of(load_config, tmp_path / "a.yaml").startswith("recipe defaults form a cycle: ")
+    bad = write(tmp_path, "c.yaml", "defaults: {a: 1}\n")
+    assert error_of(load_config, bad) == f"{bad}:1: defaults must be a list of recipe paths, got {{'a': 1}}"
+
+
+# ---------------------------------------------------------------- overrides
+
+
+def test_nested_and_typed_overrides(tmp_path):
+    recipe = write(tmp_path, "r.yaml", "actor:\n  optim: {lr: 0.1, weight_decay: 0.3}\n")
+    c = load_config(recipe, [
+        "actor.optim.lr=1e-5", "rollout.n=8", "parallel.sequence_parallel=true",
+        "trainer.total_steps=null", "actor.grad_clip=null", "data.truncation=left",
+        "logging.experiment_name=1e3",  # a str field keeps the text
+        "reward.kwargs.strict=false", "reward.kwargs.name=x",  # free-form mapping
+        "model.override_config={hidden_size: 32}",
+    ])
+    assert c.actor.optim.lr == 1e-5 and c.actor.optim.weight_decay == 0.3
+    assert c.rollout.n == 8 and c.parallel.sequence_parallel is True
+    assert c.trainer.total_steps is None and c.actor.grad_clip is None
+    assert c.data.truncation == "left" and c.logging.experiment_name == "1e3"
+    assert c.reward.kwargs == {"strict": False, "name": "x"}
+    assert c.model.override_config == {"hidden_size": 32}
+
+
+def test_list_overrides():
+    c = load_config(None, ["rollout.stop_token_ids=[1,2]", "data.train_files=a.jsonl,b.parquet",
+                           "eval.pass_k=1,4", "rollout.stop=[\"</s>\", 'x,y']", "actor.optim.betas=[0.9,0.95]",
+                           "data.val_files=[]", "rollout.sglang.extra_args=--foo,3"])
+    assert c.rollout.stop_token_ids == [1, 2]
+    assert c.data.train_files == ["a.jsonl", "b.parquet"]
+    assert c.eval.pass_k == [1, 4]
+    assert c.rollout.stop == ["</s>", "x,y"]
+    assert c.actor.optim.betas == [0.9, 0.95]
+    assert c.data.val_files == []
+    assert c.rollout.sglang.extra_args == ["--foo", "3"]
+
+
+def test_section_override_merges_and_later_override_wins(tmp_path):
+    recipe = write(tmp_path, "r.yaml", "actor:\n  optim: {lr: 0.1, weight_decay: 0.3}\n")
+    c = load_config(recipe, ["actor.optim={lr: 0.5}", "rollout.n=3", "rollout.n=6"])
+    assert (c.actor.optim.lr, c.actor.optim.weight_decay) == (0.5, 0.3)
+    assert c.rollout.n == 6
+    # a free-form mapping field is replaced whole (so keys can be removed)
+    tiny = load_config("tiny_cpu", ["model.override_config={num_hidden_layers: 4}"])
+    assert tiny.model.override_config == {"num_hidden_layers": 4}
+
+
+def test_override_errors():
+    assert error_of(load_config, None, ["actor.clip_ratio_hi=0.3"]) == (
+        "unknown key 'actor.clip_ratio_hi' (override 'actor.clip_ratio_hi=0.3'); "
+        "did you mean 'actor.clip_ratio_high'?")
+    assert error_of(load_config, None, ["rollout.n=two"]) == (
+        "rollout.n: expected int, got 'two' (str) (override 'rollout.n=two')")
+    assert error_of(load_config, None, ["rollout.n=null"]) == (
+        "rollout.n: expected int, got null (override 'rollout.n=null')")
+    assert error_of(load_config, None, ["eval.pass_k=1,x"]) == (
+        "eval.pass_k[1]: expected int, got 'x' (str) (override 'eval.pass_k=1,x')")
+    assert error_of(load_config, None, ["data.truncation=middle"]).startswith(
+        "data.truncation: expected one of 'error', 'left', 'right', 'filter', got 'middle'")
+    assert error_of(load_config, None, ["rollout.n"]) == (
+        "override 'rollout.n' is not of the form key=value (e.g. actor.optim.lr=1e-6)")
+    assert error_of(load_config, None, ["actor..lr=1"]).startswith("override 'actor..lr=1' is not")
+    assert error_of(load_config, None, ["rollout.n.x=1"]) == (
+        "'rollout.n' is a single value, not a section: cannot set 'rollout.n.x' (override 'rollout.n.x=1')")
+    assert error_of(load_config, None, ["actor.optim.betas=[0.9"]).startswith("value is not valid YAML: ")
+
+
+# ---------------------------------------------------------------- round trip
+
+
+def test_to_yaml_round_trips(tmp_path):
+    config = load_config("tiny_cpu", [
+        "actor.optim.lr=1e-6", "logging.experiment_name=007", "rollout.stop=[\"\\n\\n\", 'null']",
+        "reward.kwargs={a: [1, 2.5, null], b: {c: 'yes'}}", "checkpoint.keep_last=3",
+        "rollout.sglang.extra_args=[--x, '1']", "actor.tis_cap=2", "model.tokenizer_path=/t/ok: yes",
+    ])
+    assert config.rollout.stop == ["\n\n", "null"] and config.logging.experiment_name == "007"
+    text = to_yaml(config)
+    path = tmp_path / "shown.yaml"
+    path.write_text(text)
+    assert load_config(path) == config
+    assert config_from_dict(yaml.safe_load(text)) == config
+    assert to_dict(config) == json.loads(json.dumps(to_dict(config)))  # plain JSON-able data
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().rollout.n = 3  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------- cross-field validation
+
+
+def test_valid_base_passes():
+    validate(valid(), world_size=4)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["parallel.tensor=3"], "the model's 8 attention heads are not divisible by parallel.tensor=3"),
+    (["model.override_config.num_key_value_heads=2", "parallel.tensor=4"],
+     "the model's 2 query groups (num_key_value_heads) are not divisible by parallel.tensor=4"),
+    (["parallel.pipeline=3"], "the model's 4 layers are not divisible by parallel.pipeline x virtual_pipeline = 3 x 1"),
+    (["parallel.pipeline=2", "parallel.virtual_pipeline=4"],
+     "the model's 4 layers are not divisible by parallel.pipeline x virtual_pipeline = 2 x 4"),
+    (["parallel.virtual_pipeline=2"], "parallel.virtual_pipeline needs parallel.pipeline >= 2"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true needs parallel.tensor >= 2"),
+    (["rollout.n=1"], "algorithm.adv_estimator=grpo needs rollout.n >= 2 samples per prompt "
+                      "(got 1; verl's GRPO examples use 5)"),
+    (["algorithm.adv_estimator=rloo", "rollout.n=1"], "algorithm.adv_estimator=rloo needs rollout.n >= 2"),
+    (["actor.ppo_mini_batch_size=5"], "data.train_batch_size=16 is not divisible by actor.ppo_mini_batch_size=5"),
+    (["actor.clip_ratio_low=1.0"], "actor.clip_ratio_low=1.0 must be in [0, 1)"),
+    (["actor.clip_ratio_high=-0.1"], "actor.clip_ratio_high=-0.1 must be in [0, 1)"),
+    (["actor.clip_ratio_c=1"], "actor.clip_ratio_c=1.0 must be > 1 (dual-clip bound)"),
+    (["actor.ppo_micro_batch_size_per_gpu=2"], "set exactly one of actor.ppo_micro_batch_size_per_gpu and "
+                                               "actor.max_tokens_per_micro_batch (got 2 and 16384; null the other)"),
+    (["actor.max_tokens_per_micro_batch=null"], "set exactly one of"),
+    (["actor.max_tokens_per_micro_batch=100"], "actor.max_tokens_per_micro_batch=100 is below the longest sequence"),
+    (["rollout.temperature=0"], "rollout.temperature=0.0 must be > 0"),
+    (["rollout.max_new_tokens=600"], "rollout.max_new_tokens=600 must be in [1, data.max_response_length=512]"),
+    (["actor.optim.min_lr=1"], "actor.optim.min_lr=1.0 must be in [0, lr=1e-06]"),
+    (["actor.optim.betas=[0.9]"], "actor.optim.betas=[0.9] must be two numbers in [0, 1)"),
+    (["reward.function=nocolon"], "reward.function='nocolon' must be one of gsm8k, math, synthetic"),
+    (["eval.n_samples=4"], "eval.greedy=true gives 4 identical samples"),
+    (["eval.greedy=false", "eval.n_samples=2", "eval.pass_k=[1,4]"], "eval.pass_k=[1, 4]: each k must be in [1, eval.n_samples=2]"),
+    (["data.task=null"], "no training data: set data.train_files or data.task"),
+    (["model.override_config={}"], "no model: set model.path"),
+    (["checkpoint.save_interval=0"], "checkpoint.save_interval=0 must be -1 (off) or >= 1"),
+    (["rollout.engine=sglang", "rollout.sglang.urls=localhost:30000"],
+     "rollout.sglang.urls: 'localhost:30000' must start with http:// or https://"),
+    (["rollout.engine=sglang", "rollout.sglang.mem_fraction=1.5"], "rollout.sglang.mem_fraction=1.5 must be in (0, 1]"),
+])
+def test_cross_field_checks(overrides, expected):
+    message = error_of(validate, valid(*overrides))
+    assert message.startswith(expected) or f": {expected}" in message or f"; {expected}" in message, message
+
+
+def test_heads_read_from_hf_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 12, "num_key_value_heads": 2, "num_hidden_layers": 6}))
+    config = load_config(None, [*VALID, f"model.path={tmp_path}", "model.override_config={}"])
+    validate(config)
+    assert "12 attention heads are not divisible by parallel.tensor=8" in error_of(
+        validate, dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tensor=8)))
+    assert error_of(validate, dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tensor=3))
+                    ) == "the model's 2 query groups (num_key_value_heads) are not divisible by parallel.tensor=3"
+    (tmp_path / "config.json").write_text("{not json")
+    assert error_of(validate, config).startswith(f"cannot read the model config {tmp_path / 'config.json'}")
+
+
+def test_world_size_checks():
+    config = valid("parallel.tensor=2")  # mini-batch = 8 prompts x 4 = 32 sequences
+    validate(config, world_size=8)  # dp 4 -> 8 per rank
+    assert error_of(validate, config, world_size=3) == (
+        "world size 3 is not divisible by parallel.tensor x pipeline x context = 2 x 1 x 1")
+    assert error_of(validate, valid("parallel.tensor=2", "actor.ppo_mini_batch_size=1", "data.train_batch_size=3",
+                                    "rollout.n=3"), world_size=4) == (
+        "a mini-batch of actor.ppo_mini_batch_size x rollout.n = 3 sequences is not divisible by the "
+        "data-parallel size 2")
+    micro = valid("actor.ppo_micro_batch_size_per_gpu=3", "actor.max_tokens_per_micro_batch=null")
+    validate(micro)  # without a world size the micro-batch split is not checked
+    assert error_of(validate, micro, world_size=4) == (
+        "8 sequences per data-parallel rank per mini-batch are not divisible by actor.ppo_micro_batch_size_per_gpu=3")
+
+
+def test_all_problems_in_one_message():
+    message = error_of(validate, valid("rollout.n=1", "actor.clip_ratio_c=0.5"))
+    assert message.startswith("2 config problems: algorithm.adv_estimator=grpo needs rollout.n >= 2")
+    assert "; actor.clip_ratio_c=0.5 must be > 1" in message
