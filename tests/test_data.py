@@ -1,0 +1,175 @@
+"""Prompt datasets (jsonl / parquet, verl layout), chat formatting, over-long prompts, the sampler."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_grpo.data.io import load_records, write_records
+from megatron_grpo.data.prompts import encode_prompts, render_chat
+from megatron_grpo.data.records import PromptRecord
+from megatron_grpo.data.sampler import PromptSampler
+from megatron_grpo.data.synthetic import build_tokenizer
+from megatron_grpo.errors import CheckpointError, ConfigError, DataError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _row(i: int, content: str = "hello") -> dict:
+    return {"data_source": "test", "prompt": [{"role": "user", "content": f"{content} {i}"}], "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(i)}, "extra_info": {"index": i}}
+
+
+def _write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(build_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+def test_jsonl_and_parquet_round_trip(tmp_path):
+    records = [PromptRecord("test", [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2"}],
+                            "4", "math", "rule", {"index": 0, "split": "train"}),
+               PromptRecord("test", [{"role": "user", "content": "3+3"}], "6", "math", "rule",
+                            {"index": 1, "split": "train"})]
+    for name in ("d.jsonl", "d.parquet"):
+        loaded = load_records(write_records(records, tmp_path / name))
+        assert loaded == records
+    # the jsonl file is verl's column layout, line by line
+    first = json.loads((tmp_path / "d.jsonl").read_text().splitlines()[0])
+    assert set(first) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}
+    assert first["reward_model"] == {"style": "rule", "ground_truth": "4"}
+
+
+def test_prepared_gsm8k_slice_loads(tmp_path):
+    import sys
+    sys.path.insert(0, str(REPO / "tools"))
+    import prepare_gsm8k
+
+    out = tmp_path / "gsm8k.parquet"
+    assert prepare_gsm8k.main(["--input", str(REPO / "tests/data/gsm8k_test_slice.jsonl"),
+                               "--output", str(out), "--no-progress"]) == 0
+    records = load_records(out)
+    assert len(records) == 20 and records[0].ground_truth == "18"
+    assert records[0].extra_info["split"] == "gsm8k_test_slice" and records[19].extra_info["index"] == 19
+    bad = _write_lines(tmp_path / "bad.jsonl", [json.dumps({"question": "q", "answer": "no final line"})])
+    assert prepare_gsm8k.main(["--input", str(bad), "--output", str(tmp_path / "x.jsonl")]) == 2
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "invalid JSON"),
+    ("[1, 2]", "expected a JSON object, got list"),
+    (json.dumps({**_row(0), "data_source": ""}), "'data_source' must be a non-empty string"),
+    (json.dumps({**_row(0), "prompt": "just text"}), "'prompt' must be a non-empty list"),
+    (json.dumps({**_row(0), "prompt": [{"role": "robot", "content": "x"}]}), "prompt[0].role must be one of"),
+    (json.dumps({**_row(0), "prompt": [{"role": "user", "content": 5}]}), "prompt[0].content must be a string"),
+    (json.dumps({**_row(0), "reward_model": {"style": "rule"}}), "'reward_model' must be an object with 'ground_truth'"),
+    (json.dumps({**_row(0), "extra_info": [1]}), "'extra_info' must be an object"),
+])
+def test_bad_line_names_file_and_line(tmp_path, line, message):
+    # line 1 and 2 are good, line 3 is blank (skipped), line 4 is the bad one
+    path = _write_lines(tmp_path / "data.jsonl", [json.dumps(_row(0)), json.dumps(_row(1)), "", line])
+    with pytest.raises(DataError) as info:
+        load_records(path)
+    assert str(info.value).startswith(f"{path}:4: ")
+    assert message in str(info.value)
+
+
+def test_bad_parquet_row_and_files(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [_row(0), {**_row(1), "data_source": None}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    with pytest.raises(DataError, match=r"d\.parquet:row 2: 'data_source'"):
+        load_records(tmp_path / "d.parquet")
+    with pytest.raises(DataError, match="does not exist"):
+        load_records(tmp_path / "absent.jsonl")
+    (tmp_path / "d.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unknown dataset format"):
+        load_records(tmp_path / "d.csv")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataError, match="no records"):
+        load_records(tmp_path / "empty.jsonl")
+
+
+def test_chat_formatting_tokenizer_template_and_template_string(tokenizer):
+    messages = [{"role": "system", "content": "sort"}, {"role": "user", "content": "reverse 123"}]
+    text = render_chat(messages, tokenizer)
+    assert text == "<|im_start|>system\nsort<|im_end|>\n<|im_start|>user\nreverse 123<|im_end|>\n<|im_start|>assistant\n"
+    custom = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    assert render_chat(messages, tokenizer, custom) == "system: sort\nuser: reverse 123\nassistant:"
+
+
+def test_overlong_prompts_filtered_truncated_or_rejected(tokenizer, caplog):
+    records = [PromptRecord("t", [{"role": "user", "content": "copy " + "1" * n}], "1") for n in (1, 5, 12)]
+    # "<|im_start|>user\ncopy " + n digits + "<|im_end|>\n<|im_start|>assistant\n": 5 + n + 5 tokens
+    lengths = [len(tokenizer(render_chat(r.prompt, tokenizer), add_special_tokens=False).input_ids) for r in records]
+    assert lengths == [11, 15, 22]
+    kept, stats = encode_prompts(records, tokenizer, max_prompt_length=15, overlong="filter", source="toy")
+    assert [k.record for k in kept] == records[:2] and (stats.filtered, stats.truncated) == (1, 0)
+    assert "toy: 1 of 3 prompts are longer than 15 tokens: 1 filtered out" in caplog.text
+    assert kept[1].input_ids == tokenizer(kept[1].text, add_special_tokens=False).input_ids
+
+    kept, stats = encode_prompts(records, tokenizer, max_prompt_length=15, overlong="truncate_left")
+    full = tokenizer(kept[2].text, add_special_tokens=False).input_ids
+    assert stats.truncated == 1 and kept[2].truncated and kept[2].input_ids == full[-15:]
+    kept, _ = encode_prompts(records, tokenizer, max_prompt_length=15, overlong="truncate_right")
+    assert kept[2].input_ids == full[:15]
+    with pytest.raises(DataError, match="toy: record 3 has a 22-token prompt"):
+        encode_prompts(records, tokenizer, max_prompt_length=15, overlong="error", source="toy")
+    with pytest.raises(ConfigError, match="overlong_prompts"):
+        encode_prompts(records, tokenizer, max_prompt_length=15, overlong="drop")
+
+
+def test_sampler_epochs_cover_every_item_in_a_new_order():
+    items = list(range(10))
+    sampler = PromptSampler(items, batch_size=3, seed=7)
+    assert sampler.batches_per_epoch == 3
+    epochs = [[x for _ in range(3) for x in next(sampler)] for _ in range(4)]
+    for epoch in epochs:
+        assert len(set(epoch)) == 9  # drop_last: one item per epoch is skipped, none repeats
+    assert len({tuple(e) for e in epochs}) == 4
+    assert sampler.epoch == 3
+    # same seed, same sequence; another seed, another one
+    again = PromptSampler(items, batch_size=3, seed=7)
+    assert [x for _ in range(12) for x in next(again)] == [x for e in epochs for x in e]
+    other = PromptSampler(items, batch_size=3, seed=8)
+    assert [x for _ in range(3) for x in next(other)] != epochs[0]
+    # no shuffle, keep the last partial batch, stop after max_epochs
+    plain = PromptSampler(items, batch_size=4, seed=0, shuffle=False, drop_last=False, max_epochs=2)
+    assert list(plain) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]] * 2
+
+
+@pytest.mark.parametrize("stop_after", [0, 1, 3, 4, 7])
+def test_sampler_resume_matches_uninterrupted_run(stop_after):
+    items = [f"prompt {i}" for i in range(11)]
+    uninterrupted = PromptSampler(items, batch_size=4, seed=3)
+    expected = [next(uninterrupted) for _ in range(10)]
+
+    first = PromptSampler(items, batch_size=4, seed=3)
+    seen = [next(first) for _ in range(stop_after)]
+    state = json.loads(json.dumps(first.state_dict()))  # survives a checkpoint as JSON
+    resumed = PromptSampler(items, batch_size=4, seed=3)
+    resumed.load_state_dict(state)
+    seen += [next(resumed) for _ in range(10 - stop_after)]
+    assert seen == expected
+
+
+def test_sampler_rejects_mismatched_state_and_bad_settings():
+    sampler = PromptSampler(list(range(10)), batch_size=2, seed=1)
+    next(sampler)
+    with pytest.raises(CheckpointError, match="num_items was 10 when saved, is 9 now"):
+        PromptSampler(list(range(9)), batch_size=2, seed=1).load_state_dict(sampler.state_dict())
+    with pytest.raises(CheckpointError, match="seed"):
+        PromptSampler(list(range(10)), batch_size=2, seed=2).load_state_dict(sampler.state_dict())
+    with pytest.raises(ConfigError, match="fewer than one batch"):
+        PromptSampler(list(range(3)), batch_size=4, seed=0)
+    with pytest.raises(ConfigError, match="batch_size"):
+        PromptSampler(list(range(3)), batch_size=0, seed=0)
