@@ -1,0 +1,118 @@
+"""`megatron-grpo` CLI: config show / keys, one-line errors with exit codes, lazy subcommand dispatch."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_grpo.cli import COMMANDS, Command, _dispatcher, load_command, main
+from megatron_grpo.config import config_from_dict, load_config
+from megatron_grpo.errors import MegatronGRPOError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_config_show_output_loads_back_to_the_same_config(tmp_path, capsys):
+    overrides = ["rollout.n=4", "actor.optim.lr=3e-6", "rollout.stop=a,b", "logging.experiment_name=12"]
+    assert main(["config", "show", "tiny_cpu", *overrides]) == 0
+    out = capsys.readouterr().out
+    expected = load_config("tiny_cpu", overrides)
+    assert config_from_dict(yaml.safe_load(out)) == expected
+    shown = tmp_path / "shown.yaml"
+    shown.write_text(out)
+    assert main(["config", "show", str(shown)]) == 0
+    assert capsys.readouterr().out == out  # showing the shown config is a fixed point
+
+
+def test_config_show_world_size_and_no_validate(capsys):
+    assert main(["config", "show", "tiny_cpu", "--world-size", "3"]) == 2
+    assert capsys.readouterr().err.startswith("error: a mini-batch of actor.ppo_mini_batch_size x rollout.n")
+    assert main(["config", "show", "tiny_cpu", "rollout.n=1", "--no-validate"]) == 0
+    assert load_config("tiny_cpu", ["rollout.n=1"]) == config_from_dict(yaml.safe_load(capsys.readouterr().out))
+
+
+def test_config_error_is_one_line_with_exit_code_2(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("actor:\n  clip_ratio_hi: 0.28\n")
+    assert main(["config", "show", str(recipe)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"error: unknown key 'actor.clip_ratio_hi' ({recipe}:2); "
+                            "did you mean 'actor.clip_ratio_high'?\n")
+
+
+def test_config_keys_lists_every_leaf_with_its_default(capsys):
+    assert main(["config", "keys"]) == 0
+    rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    table = {key: (kind, default) for key, kind, default in rows}
+    assert table["actor.clip_ratio_c"] == ("float", "3.0")
+    assert table["actor.kl_loss_type"][1] == '"low_var_kl"'
+    assert table["trainer.total_steps"] == ("int or null", "null")
+    assert table["actor.optim.betas"] == ("a list of float", "[0.9, 0.999]")
+    assert len(rows) == len(set(table))
+
+
+def test_subcommands_are_registered_lazily():
+    assert set(COMMANDS) == {"train", "eval", "convert"}
+    assert COMMANDS["train"].target == "megatron_grpo.trainer.main:main"
+    with pytest.raises(TypeError):
+        COMMANDS["x"] = Command("a:b", "")  # type: ignore[index]  # the table is read-only
+
+
+def test_missing_subcommand_module_is_not_implemented_yet(capsys):
+    with pytest.raises(MegatronGRPOError, match=r"^'megatron-grpo train' is not implemented yet "
+                                                 r"\(megatron_grpo\.no_such_module does not exist\)$"):
+        load_command("train", Command("megatron_grpo.no_such_module:main", ""))
+    with pytest.raises(MegatronGRPOError, match="json.no_such_fn is not a function"):
+        load_command("eval", Command("json:no_such_fn", ""))
+
+
+def test_dispatch_passes_argv_and_import_errors_inside_a_module_propagate(tmp_path, monkeypatch):
+    (tmp_path / "fake_cmd.py").write_text(textwrap.dedent("""
+        def main(argv):
+            return 7 if argv == ["RECIPE", "a.b=1", "--flag"] else 1
+        """))
+    (tmp_path / "broken_cmd.py").write_text("import no_such_dependency_xyz\ndef main(argv):\n    return 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = _dispatcher("train", Command("fake_cmd:main", ""))
+    assert run(argparse.Namespace(argv=["RECIPE", "a.b=1", "--flag"])) == 7
+    with pytest.raises(ModuleNotFoundError, match="no_such_dependency_xyz"):
+        load_command("train", Command("broken_cmd:main", ""))
+
+
+def test_cli_process_exit_code_one_line_and_no_heavy_imports(tmp_path):
+    """One real process: the config path imports neither torch nor megatron, and a config error
+    exits 2 with exactly one stderr line, no traceback."""
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("rollout:\n  n: two\n")
+    code = ("import sys; from megatron_grpo.cli import main; rc = main(sys.argv[1:]); "
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')); "
+            "print(heavy, file=sys.stdout); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, "config", "show", str(recipe)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"error: rollout.n: expected int, got 'two' (str) ({recipe}:2)\n"
+    assert proc.stdout.strip() == "[]"
+
+
+def test_console_script_entry_point(tmp_path):
+    script = Path(sys.executable).with_name("megatron-grpo")
+    if not script.exists():
+        pytest.skip("the package is not installed in this interpreter's environment")
+    proc = subprocess.run([str(script), "config", "show", "tiny_cpu", "rollout.n=1"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: algorithm.adv_estimator=grpo needs rollout.n >= 2")
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_show_requires_a_recipe(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["config", "show"])
+    assert info.value.code == 2  # argparse's usage error
+    assert "the following arguments are required: recipe" in capsys.readouterr().err
