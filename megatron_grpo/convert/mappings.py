@@ -1,0 +1,160 @@
+"""Declarative Megatron <-> HF parameter tables, one per architecture, and their binding to a
+model chunk. This module (with hf_io / writer) is the only place that knows HF parameter names.
+
+Names use "{layer}": the global layer index on the HF side, the chunk-local index on the Megatron
+side (megatron numbers layers per chunk; TransformerLayer.layer_number is the global 1-based one).
+A rule lists Megatron name alternatives: the local spec name first, then Transformer Engine's
+(TE fuses the pre-attention / pre-MLP norms into linear_qkv / linear_fc1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+
+from megatron_grpo.convert.transforms import FusedGateUp, FusedQKV, Replicated, Split, Transform, VocabRows
+from megatron_grpo.errors import CheckpointError
+from megatron_grpo.models.hf_config import ModelConfig
+
+# Where a tensor lives: "first" = pre_process stage, "last" = post_process stage,
+# "last_only" = post_process stage that is not also pre_process (the tied output copy), "layer".
+Place = Literal["first", "last", "last_only", "layer"]
+ShapeFn = Callable[[ModelConfig], tuple[tuple[int, ...], ...]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: tuple[str, ...]
+    hf: tuple[str, ...]
+    transform: Transform
+    hf_shapes: ShapeFn
+    place: Place
+    when: Callable[[ModelConfig], bool] = lambda cfg: True
+    export: bool = True  # False for the tied output-layer copy: HF stores it once, as embed_tokens
+
+
+def _q_rows(c): return c.num_attention_heads * c.head_dim
+def _kv_rows(c): return c.num_query_groups * c.head_dim
+
+
+_L = "decoder.layers.{layer}."
+_H = "model.layers.{layer}."
+
+EMBEDDING = Rule(("embedding.word_embeddings.weight",), ("model.embed_tokens.weight",), VocabRows(),
+                 lambda c: ((c.vocab_size, c.hidden_size),), "first")
+FINAL_NORM = Rule(("decoder.final_layernorm.weight",), ("model.norm.weight",), Replicated(),
+                  lambda c: ((c.hidden_size,),), "last")
+OUTPUT = Rule(("output_layer.weight",), ("lm_head.weight",), VocabRows(),
+              lambda c: ((c.vocab_size, c.hidden_size),), "last", when=lambda c: not c.tie_word_embeddings)
+# With tied embeddings and PP > 1 the last stage keeps its own copy of the embedding.
+TIED_OUTPUT = Rule(("output_layer.weight",), ("model.embed_tokens.weight",), VocabRows(),
+                   lambda c: ((c.vocab_size, c.hidden_size),), "last_only",
+                   when=lambda c: c.tie_word_embeddings, export=False)
+
+INPUT_NORM = Rule((_L + "input_layernorm.weight", _L + "self_attention.linear_qkv.layer_norm_weight"),
+                  (_H + "input_layernorm.weight",), Replicated(), lambda c: ((c.hidden_size,),), "layer")
+QKV = Rule((_L + "self_attention.linear_qkv.weight",),
+           (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
+           FusedQKV(),
+           lambda c: ((_q_rows(c), c.hidden_size), (_kv_rows(c), c.hidden_size), (_kv_rows(c), c.hidden_size)),
+           "layer")
+QKV_BIAS = Rule((_L + "self_attention.linear_qkv.bias",),
+                (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"),
+                FusedQKV(), lambda c: ((_q_rows(c),), (_kv_rows(c),), (_kv_rows(c),)), "layer")
+Q_NORM = Rule((_L + "self_attention.q_layernorm.weight",), (_H + "self_attn.q_norm.weight",), Replicated(),
+              lambda c: ((c.head_dim,),), "layer")
+K_NORM = Rule((_L + "self_attention.k_layernorm.weight",), (_H + "self_attn.k_norm.weight",), Replicated(),
+              lambda c: ((c.head_dim,),), "layer")
+O_PROJ = Rule((_L + "self_attention.linear_proj.weight",), (_H + "self_attn.o_proj.weight",), Split(dim=1),
+              lambda c: ((c.hidden_size, _q_rows(c)),), "layer")
+POST_ATTN_NORM = Rule((_L + "pre_mlp_layernorm.weight", _L + "mlp.linear_fc1.layer_norm_weight"),
+                      (_H + "post_attention_layernorm.weight",), Replicated(), lambda c: ((c.hidden_size,),), "layer")
+GATE_UP = Rule((_L + "mlp.linear_fc1.weight",), (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
+               FusedGateUp(),
+               lambda c: ((c.ffn_hidden_size, c.hidden_size), (c.ffn_hidden_size, c.hidden_size)), "layer")
+DOWN = Rule((_L + "mlp.linear_fc2.weight",), (_H + "mlp.down_proj.weight",), Split(dim=1),
+            lambda c: ((c.hidden_size, c.ffn_hidden_size),), "layer")
+
+MAPPINGS: dict[str, tuple[Rule, ...]] = {
+    "llama": (EMBEDDING, INPUT_NORM, QKV, O_PROJ, POST_ATTN_NORM, GATE_UP, DOWN, FINAL_NORM, OUTPUT, TIED_OUTPUT),
+    "qwen2": (EMBEDDING, INPUT_NORM, QKV, QKV_BIAS, O_PROJ, POST_ATTN_NORM, GATE_UP, DOWN, FINAL_NORM, OUTPUT,
+              TIED_OUTPUT),
+    "qwen3": (EMBEDDING, INPUT_NORM, QKV, Q_NORM, K_NORM, O_PROJ, POST_ATTN_NORM, GATE_UP, DOWN, FINAL_NORM,
+              OUTPUT, TIED_OUTPUT),
+}
+
+# HF files of tied models sometimes still carry the (identical) lm_head; we accept and ignore it.
+IGNORED_WHEN_TIED = ("lm_head.weight",)
+
+
+def rules_for(cfg: ModelConfig) -> tuple[Rule, ...]:
+    if cfg.architecture not in MAPPINGS:
+        raise CheckpointError(f"no conversion table for model_type {cfg.architecture!r}; "
+                              f"supported: {', '.join(sorted(MAPPINGS))}")
+    return tuple(rule for rule in MAPPINGS[cfg.architecture] if rule.when(cfg))
+
+
+def expected_hf_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor of the full model -> its shape, in HF order (embedding, layers, norm, head)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for rule in rules_for(cfg):
+        if not rule.export:
+            continue
+        layers = range(cfg.num_layers) if rule.place == "layer" else [None]
+        for layer in layers:
+            for name, shape in zip(rule.hf, rule.hf_shapes(cfg)):
+                out[name.format(layer=layer)] = tuple(shape)
+    return dict(sorted(out.items(), key=lambda kv: _hf_order(kv[0])))
+
+
+def _hf_order(name: str):
+    if name.startswith("model.embed_tokens"):
+        return (0, 0, name)
+    if name.startswith("model.layers."):
+        return (1, int(name.split(".")[2]), name)
+    return (2, 0, name)
+
+
+@dataclass(frozen=True)
+class BoundTensor:
+    """One rule applied to one parameter of a model chunk."""
+    rule: Rule
+    megatron_name: str      # name inside the chunk (chunk-local layer index)
+    hf_names: tuple[str, ...]
+    param: torch.nn.Parameter
+    layer: int | None       # global layer index
+
+
+def bind(model, cfg: ModelConfig) -> list[BoundTensor]:
+    """Pairs every parameter of one (unwrapped) GPTModel chunk with its rule, in HF order.
+    Raises CheckpointError if a parameter has no rule or a rule finds no parameter."""
+    params = dict(model.named_parameters())
+    bound: list[BoundTensor] = []
+
+    def add(rule: Rule, layer_local: int | None, layer_global: int | None):
+        for candidate in rule.megatron:
+            name = candidate.format(layer=layer_local)
+            if name in params:
+                hf = tuple(h.format(layer=layer_global) for h in rule.hf)
+                bound.append(BoundTensor(rule, name, hf, params[name], layer_global))
+                return
+        raise CheckpointError(f"model chunk has none of {[c.format(layer=layer_local) for c in rule.megatron]} "
+                              f"(model_type {cfg.architecture}); it was not built from this config")
+
+    rules = rules_for(cfg)
+    first, last = bool(model.pre_process), bool(model.post_process)
+    for rule in rules:
+        if rule.place == "first" and first:
+            add(rule, None, None)
+    for local, layer in enumerate(model.decoder.layers):
+        for rule in rules:
+            if rule.place == "layer":
+                add(rule, local, layer.layer_number - 1)
+    for rule in rules:
+        if (rule.place == "last" and last) or (rule.place == "last_only" and last and not first):
+            add(rule, None, None)
+    unmapped = sorted(set(params) - {b.megatron_name for b in bound})
+    if unmapped:
+        raise CheckpointError(f"megatron parameters without a conversion rule for {cfg.architecture}: {unmapped}")
+    return bound

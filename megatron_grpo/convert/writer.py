@@ -1,0 +1,137 @@
+"""Write an HF model folder from a stream of (hf_name, tensor): sharded safetensors, the index,
+config.json, and the generation config / tokenizer files copied from an assets folder.
+
+    with HFWriter(out_dir, cfg, assets_dir=ckpt / "hf_assets") as writer:
+        for name, tensor in gather_hf_weights_on_rank0(chunks, cfg):
+            writer.add(name, tensor)
+
+The folder is assembled in a temporary sibling and renamed into place on success, so a failed
+export never leaves a half-written model behind. Shard names follow transformers
+(model-00001-of-00003.safetensors; a single shard is model.safetensors, without an index).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from megatron_grpo.convert.hf_io import INDEX_FILE, SINGLE_FILE
+from megatron_grpo.convert.mappings import expected_hf_tensors
+from megatron_grpo.errors import CheckpointError
+from megatron_grpo.models.hf_config import ModelConfig
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+# Files of an HF model folder that are not weights and not config.json: copied verbatim.
+ASSET_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+               "chat_template.json", "preprocessor_config.json")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def copy_hf_assets(src: str | Path, dst: str | Path) -> list[str]:
+    """Copies the ASSET_FILES present in src to dst; returns their names."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in ASSET_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def hf_config_dtype(cfg: ModelConfig) -> torch.dtype | None:
+    """The dtype config.json declares for the weights (transformers 5: 'dtype'; 4: 'torch_dtype')."""
+    name = cfg.hf_config.get("dtype") or cfg.hf_config.get("torch_dtype")
+    if name is None:
+        return None
+    if name not in _DTYPES:
+        raise CheckpointError(f"config.json dtype {name!r} is not supported ({sorted(_DTYPES)})")
+    return _DTYPES[name]
+
+
+class HFWriter:
+    def __init__(self, out_dir: str | Path, cfg: ModelConfig, *, assets_dir: str | Path | None = None,
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None,
+                 overwrite: bool = False):
+        self.out_dir = Path(out_dir)
+        if self.out_dir.exists() and any(self.out_dir.iterdir()) and not overwrite:
+            raise CheckpointError(f"{self.out_dir}: output folder is not empty (use --force to overwrite)")
+        self.cfg = cfg
+        self.assets_dir = Path(assets_dir) if assets_dir else None
+        self.max_shard_bytes = max_shard_bytes
+        self.dtype = dtype if dtype is not None else hf_config_dtype(cfg)
+        self.expected = expected_hf_tensors(cfg)
+        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.", dir=self.out_dir.parent))
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[list[str]] = []
+        self._seen: set[str] = set()
+        self._total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self.expected:
+            raise CheckpointError(f"HF writer: unexpected tensor {name!r} for {self.cfg.architecture}")
+        if name in self._seen:
+            raise CheckpointError(f"HF writer: tensor {name!r} written twice")
+        if tuple(tensor.shape) != self.expected[name]:
+            raise CheckpointError(f"HF writer: {name} has shape {tuple(tensor.shape)}, config expects "
+                                  f"{self.expected[name]}")
+        tensor = tensor.detach().to("cpu", self.dtype or tensor.dtype).contiguous()
+        size = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self._seen.add(name)
+        self._pending[name] = tensor.clone() if tensor.untyped_storage().nbytes() != size else tensor
+        self._pending_bytes += size
+        self._total_bytes += size
+
+    def _flush(self) -> None:
+        index = len(self._shards)
+        save_file(self._pending, str(self._tmp / f"shard-{index:05d}.tmp"), metadata={"format": "pt"})
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> Path:
+        missing = sorted(set(self.expected) - self._seen)
+        if missing:
+            self.abort()
+            raise CheckpointError(f"HF writer: export incomplete, missing {missing[:10]}"
+                                  + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+        if self._pending:
+            self._flush()
+        total = len(self._shards)
+        weight_map = {}
+        for i, names in enumerate(self._shards):
+            final = SINGLE_FILE if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+            os.replace(self._tmp / f"shard-{i:05d}.tmp", self._tmp / final)
+            weight_map.update({name: final for name in names})
+        if total > 1:
+            index = {"metadata": {"total_size": self._total_bytes},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            (self._tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (self._tmp / "config.json").write_text(json.dumps(self.cfg.hf_config, indent=2, sort_keys=True) + "\n")
+        if self.assets_dir is not None:
+            copy_hf_assets(self.assets_dir, self._tmp)
+        if self.out_dir.exists():
+            shutil.rmtree(self.out_dir)
+        os.replace(self._tmp, self.out_dir)
+        return self.out_dir
+
+    def abort(self) -> None:
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

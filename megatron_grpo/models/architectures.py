@@ -1,0 +1,29 @@
+"""The table of supported HF architectures (dispatch on config.json's `model_type`).
+
+Each entry says which math the HF model does, so the Megatron builder and the converter agree.
+Adding an architecture = one row here + one mapping table in convert/mappings.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    model_type: str                 # config.json "model_type"
+    hf_class: str                   # config.json "architectures"[0]
+    qkv_bias: bool                  # q/k/v projections carry a bias (o_proj never does)
+    qk_norm: bool                   # RMSNorm over head_dim on queries and keys before RoPE
+    attention_bias_key: str | None  # config field that, when true, adds biases we do not support
+
+
+ARCHITECTURES: dict[str, ArchitectureSpec] = {
+    # Qwen2 / Qwen2.5: q/k/v biases are hard-wired in the HF model; no config switch.
+    "qwen2": ArchitectureSpec("qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False,
+                              attention_bias_key=None),
+    # Qwen3: q/k RMSNorm; `attention_bias` would add biases to q/k/v AND o_proj.
+    "qwen3": ArchitectureSpec("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True,
+                              attention_bias_key="attention_bias"),
+    # Llama 2/3/3.1/3.2/3.3: `attention_bias` likewise adds an o_proj bias.
+    "llama": ArchitectureSpec("llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False,
+                              attention_bias_key="attention_bias"),
+}

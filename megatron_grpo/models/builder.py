@@ -1,0 +1,149 @@
+"""Build megatron-core GPTModel chunks for this rank from a ModelConfig.
+
+    layout = ParallelLayout(tensor=2, pipeline=2)
+    initialize_model_parallel(layout)
+    cfg = ModelConfig.from_hf("/models/Qwen3-8B", tensor_parallel=layout.tensor)
+    chunks = build_model(cfg, layout)                # list: one chunk per virtual stage
+    load_hf_weights(chunks, cfg, "/models/Qwen3-8B")   # megatron_grpo.convert
+
+pre_process / post_process come from megatron's parallel_state, so the same call builds the
+right stage on every rank.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_grpo.errors import ConfigError
+from megatron_grpo.launch.parallel import ParallelLayout
+from megatron_grpo.models.hf_config import ModelConfig
+from megatron_grpo.models.rope import rope_inv_freq
+from megatron_grpo.models.spec import Backend, layer_spec
+
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def transformer_config(model_config: ModelConfig, layout: ParallelLayout, dtype: torch.dtype = torch.float32):
+    """The megatron TransformerConfig of this model under `layout`."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if dtype not in _DTYPES:
+        raise ConfigError(f"model dtype {dtype}: expected torch.float32 or torch.bfloat16")
+    model_config.check_tensor_parallel(layout.tensor)
+    on_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=model_config.num_layers,
+        hidden_size=model_config.hidden_size,
+        ffn_hidden_size=model_config.ffn_hidden_size,
+        num_attention_heads=model_config.num_attention_heads,
+        num_query_groups=model_config.num_query_groups,
+        kv_channels=model_config.head_dim,  # Qwen3: head_dim != hidden / heads
+        normalization="RMSNorm",
+        layernorm_epsilon=model_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model_config.qkv_bias,
+        qk_layernorm=model_config.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=model_config.attention_dropout,
+        init_method_std=float(model_config.hf_config.get("initializer_range", 0.02)),
+        tensor_model_parallel_size=layout.tensor,
+        pipeline_model_parallel_size=layout.pipeline,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
+        context_parallel_size=layout.context,
+        sequence_parallel=layout.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not on_gpu,
+        # Fusions need CUDA kernels; on GPU the trainer may turn them on through its own config.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+        batch_p2p_sync=on_gpu,
+    )
+
+
+def current_layout(sequence_parallel: bool = False) -> ParallelLayout:
+    """The layout megatron's parallel_state was initialised with."""
+    from megatron.core import parallel_state as ps
+
+    return ParallelLayout(tensor=ps.get_tensor_model_parallel_world_size(),
+                          pipeline=ps.get_pipeline_model_parallel_world_size(),
+                          virtual_pipeline=ps.get_virtual_pipeline_model_parallel_world_size(),
+                          context=ps.get_context_parallel_world_size(),
+                          sequence_parallel=sequence_parallel)
+
+
+def build_model(model_config: ModelConfig, layout: ParallelLayout | None = None, *,
+                dtype: torch.dtype = torch.float32, backend: Backend = "auto") -> list[torch.nn.Module]:
+    """This rank's model chunks (one per virtual pipeline stage; one without VPP).
+
+    bf16 chunks are wrapped in megatron's Float16Module (fp32 logits out), as megatron-LM does."""
+    from megatron.core import parallel_state as ps
+
+    actual = current_layout(layout.sequence_parallel if layout else False)
+    if layout is not None and layout != actual:
+        raise ConfigError(f"build_model: layout {layout} differs from the initialised parallel state {actual}")
+    config = transformer_config(model_config, actual, dtype)
+    spec = layer_spec(model_config, actual.context, backend)
+    vp_stages = [None] if actual.virtual_pipeline is None else list(range(actual.virtual_pipeline))
+    chunks = []
+    for vp_stage in vp_stages:
+        pre = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+        post = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+        chunks.append(_build_chunk(model_config, config, spec, pre, post, vp_stage, dtype))
+    return chunks
+
+
+def _build_chunk(model_config, config, spec, pre_process, post_process, vp_stage, dtype):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=model_config.padded_vocab_size,
+        max_sequence_length=model_config.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=model_config.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=model_config.rope_theta,
+        vp_stage=vp_stage,
+    )
+    # Our inv_freq honours every llama3 rope field of the config (see models/rope.py).
+    inv_freq = model.rotary_pos_emb.inv_freq
+    model.rotary_pos_emb.inv_freq = rope_inv_freq(
+        model_config.head_dim, model_config.rope_theta, model_config.rope_scaling).to(inv_freq.device)
+    if dtype == torch.bfloat16:
+        return Float16Module(config, model)
+    return model
+
+
+def build_reference_model(model_config: ModelConfig, layout: ParallelLayout | None = None, *,
+                          dtype: torch.dtype = torch.float32, backend: Backend = "auto") -> list[torch.nn.Module]:
+    """Same network as build_model, frozen (requires_grad False) and in eval mode; no optimizer."""
+    chunks = build_model(model_config, layout, dtype=dtype, backend=backend)
+    for chunk in chunks:
+        chunk.eval()
+        chunk.requires_grad_(False)
+    return chunks
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    from megatron.core.models.gpt import GPTModel
+
+    module = chunk
+    while not isinstance(module, GPTModel):
+        inner = getattr(module, "module", None)
+        if inner is None:
+            raise TypeError(f"{type(chunk).__name__} does not wrap a megatron GPTModel")
+        module = inner
+    return module

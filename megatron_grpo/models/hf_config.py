@@ -1,0 +1,224 @@
+"""HF config.json -> our typed ModelConfig, with every math-changing field checked.
+
+A ModelConfig is the single description of the network that the builder, the converter and the
+checkpoint tools share. It keeps the original HF config dict (written back verbatim on export)
+and the padded vocabulary size (fixed once, at conversion time, so that a checkpoint reloads at
+any TP size that divides it).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+from megatron_grpo.errors import CheckpointError, ConfigError
+from megatron_grpo.models.architectures import ARCHITECTURES, ArchitectureSpec
+
+HFConfigSource = Union[str, Path, Mapping[str, Any], Any]  # folder, config.json, dict, PretrainedConfig
+
+MODEL_CONFIG_FILE = "megatron_grpo_model.json"
+DEFAULT_VOCAB_MULTIPLE = 128
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int             # the HF (tokenizer) vocabulary: rows of embed_tokens / lm_head
+    padded_vocab_size: int      # rows of the Megatron embedding / output layer
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Llama3RopeScaling | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    attention_dropout: float
+    hf_config: dict = field(repr=False, compare=False)
+
+    @property
+    def spec(self) -> ArchitectureSpec:
+        return ARCHITECTURES[self.architecture]
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, source: HFConfigSource, tensor_parallel: int = 1,
+                vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE) -> "ModelConfig":
+        """Reads and validates an HF config; pads the vocabulary to a multiple of
+        vocab_multiple * tensor_parallel (megatron's make-vocab-size-divisible-by rule)."""
+        hf, where = load_hf_config_dict(source)
+        return _parse(hf, where, padded_vocab_size=None, tensor_parallel=tensor_parallel,
+                      vocab_multiple=vocab_multiple)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "model config") -> "ModelConfig":
+        """Inverse of to_dict(): re-parses the stored HF config and keeps the stored padding."""
+        try:
+            hf = dict(data["hf_config"])
+            padded = int(data["padded_vocab_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{where}: missing or bad key {exc} (expected 'hf_config' and "
+                                  f"'padded_vocab_size')") from None
+        return _parse(hf, where, padded_vocab_size=padded, tensor_parallel=1, vocab_multiple=1)
+
+    def to_dict(self) -> dict:
+        return {"format_version": 1, "padded_vocab_size": self.padded_vocab_size,
+                "hf_config": self.hf_config, "derived": {k: v for k, v in asdict(self).items() if k != "hf_config"}}
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / MODEL_CONFIG_FILE
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "ModelConfig":
+        path = Path(directory) / MODEL_CONFIG_FILE
+        if not path.is_file():
+            raise CheckpointError(f"{path}: not found; this is not a megatron-grpo checkpoint "
+                                  f"(convert an HF model with tools/convert_hf_to_megatron.py)")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
+        return cls.from_dict(data, where=str(path))
+
+    def check_tensor_parallel(self, tensor_parallel: int) -> None:
+        """Raises ConfigError if the model cannot be split over `tensor_parallel` ranks."""
+        for name, value in (("num_attention_heads", self.num_attention_heads),
+                            ("num_key_value_heads", self.num_query_groups),
+                            ("intermediate_size", self.ffn_hidden_size),
+                            ("padded vocab size", self.padded_vocab_size)):
+            if value % tensor_parallel:
+                raise ConfigError(f"tensor parallel size {tensor_parallel} does not divide {name} = {value}")
+
+    def same_math_as(self, other: "ModelConfig") -> list[str]:
+        """Names of derived fields that differ (empty when the two configs build the same model)."""
+        mine, theirs = self.to_dict()["derived"], other.to_dict()["derived"]
+        return sorted(k for k in mine if mine[k] != theirs.get(k))
+
+
+def load_hf_config_dict(source: HFConfigSource) -> tuple[dict, str]:
+    """Returns (config dict, a description of where it came from for error messages)."""
+    if isinstance(source, Mapping):
+        return dict(source), "HF config dict"
+    if hasattr(source, "to_dict") and hasattr(source, "model_type"):  # transformers.PretrainedConfig
+        return source.to_dict(), f"{type(source).__name__}"
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: HF config.json not found")
+    try:
+        return json.loads(path.read_text()), str(path)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
+
+
+def _require(hf: Mapping, key: str, where: str):
+    if hf.get(key) is None:
+        raise ConfigError(f"{where}: required key {key!r} is missing")
+    return hf[key]
+
+
+def _parse(hf: dict, where: str, padded_vocab_size: int | None, tensor_parallel: int,
+           vocab_multiple: int) -> ModelConfig:
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(f"{where}: model_type {model_type!r} is not supported; supported: "
+                          f"{', '.join(sorted(ARCHITECTURES))}")
+    spec = ARCHITECTURES[model_type]
+    architectures = hf.get("architectures") or [spec.hf_class]
+    if list(architectures) != [spec.hf_class]:
+        raise ConfigError(f"{where}: architectures {architectures} is not supported for model_type "
+                          f"{model_type!r}; expected [{spec.hf_class!r}]")
+    _reject_math_changes(hf, spec, where)
+
+    hidden = int(_require(hf, "hidden_size", where))
+    heads = int(_require(hf, "num_attention_heads", where))
+    groups = int(hf.get("num_key_value_heads") or heads)
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    if heads % groups:
+        raise ConfigError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
+    vocab = int(_require(hf, "vocab_size", where))
+    if padded_vocab_size is None:
+        multiple = vocab_multiple * tensor_parallel
+        padded_vocab_size = math.ceil(vocab / multiple) * multiple
+    if padded_vocab_size < vocab:
+        raise ConfigError(f"{where}: padded vocab size {padded_vocab_size} < vocab_size {vocab}")
+    rope_theta, rope_scaling = _parse_rope(hf, where)
+    return ModelConfig(
+        architecture=model_type,
+        num_layers=int(_require(hf, "num_hidden_layers", where)),
+        hidden_size=hidden,
+        ffn_hidden_size=int(_require(hf, "intermediate_size", where)),
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        padded_vocab_size=padded_vocab_size,
+        max_position_embeddings=int(_require(hf, "max_position_embeddings", where)),
+        rms_norm_eps=float(_require(hf, "rms_norm_eps", where)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=spec.qkv_bias,
+        qk_norm=spec.qk_norm,
+        attention_dropout=float(hf.get("attention_dropout") or 0.0),
+        hf_config=hf,
+    )
+
+
+def _reject_math_changes(hf: Mapping, spec: ArchitectureSpec, where: str) -> None:
+    """Fields whose non-default value changes the network's math in a way we do not build."""
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{where}: hidden_act {act!r} is not supported (only 'silu' / SwiGLU)")
+    if spec.attention_bias_key and hf.get(spec.attention_bias_key):
+        raise ConfigError(f"{where}: {spec.attention_bias_key}=true (biases on q/k/v/o_proj) is not supported")
+    if hf.get("mlp_bias"):
+        raise ConfigError(f"{where}: mlp_bias=true is not supported")
+    if hf.get("use_sliding_window"):
+        raise ConfigError(f"{where}: use_sliding_window=true is not supported (sliding-window attention)")
+    layer_types = hf.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ConfigError(f"{where}: layer_types {sorted(set(layer_types))} is not supported "
+                          f"(only 'full_attention')")
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if hf.get(key):
+            raise ConfigError(f"{where}: {key}={hf[key]} (mixture of experts) is not supported")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{where}: partial_rotary_factor={hf['partial_rotary_factor']} is not supported")
+
+
+def _parse_rope(hf: Mapping, where: str) -> tuple[float, Llama3RopeScaling | None]:
+    # transformers >= 5 writes "rope_parameters" (with rope_theta inside); older configs write
+    # top-level "rope_theta" and an optional "rope_scaling" dict.
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "llama3":
+        try:
+            return float(theta), Llama3RopeScaling(
+                factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+        except KeyError as exc:
+            raise ConfigError(f"{where}: rope scaling 'llama3' is missing {exc}") from None
+    raise ConfigError(f"{where}: rope type {rope_type!r} is not supported (supported: default, llama3)")

@@ -1,0 +1,51 @@
+"""Tiny random HF models (no downloads) for tests, CPU recipes and benchmarks.
+
+    path = save_tiny_hf_model("qwen3", tmp_path / "qwen3", seed=0)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# Each exercises one architecture's special features: qwen2 (q/k/v bias, untied), qwen3 (q/k norm,
+# head_dim 32 != hidden/heads 16, tied), llama (llama3 rope scaling with non-default factors, untied).
+TINY_CONFIGS: dict[str, dict] = {
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=250,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False),
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=250,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=250,
+                  max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 8.0, "original_max_position_embeddings": 64},
+                  rope_theta=500000.0),
+}
+
+
+def tiny_hf_config(architecture: str, **overrides):
+    """A transformers config object for TINY_CONFIGS[architecture] (+ overrides)."""
+    from transformers import AutoConfig
+
+    fields = dict(TINY_CONFIGS[architecture], **overrides)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def save_tiny_hf_model(architecture: str, path: str | Path, seed: int = 0, **overrides) -> Path:
+    """Saves a randomly initialised tiny model (fp32 safetensors + config) to `path`.
+    Every tensor, norms included, is random so that any mix-up in conversion shows."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(architecture, **overrides), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.08 * torch.randn_like(param))
+    model.save_pretrained(str(path))
+    return Path(path)
