@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from megatron_grpo.algo import (GlobalBatchInfo, GRPOLossConfig, PolicyLossConfig, compute_grpo_loss,
-                                compute_policy_loss, get_policy_loss, kl_penalty, register_policy_loss)
-from megatron_grpo.algo.policy_loss import POLICY_LOSSES
+from megatron_grpo.algo import (POLICY_LOSSES, GlobalBatchInfo, GRPOLossConfig, PolicyLossConfig, PolicyLossTerms,
+                                aggregate, compute_grpo_loss, compute_policy_loss, get_policy_loss, kl_penalty,
+                                register_policy_loss)
 from megatron_grpo.errors import ConfigError
 
 # ---- KL: golden values from shared/reference/grpo-formulas.md ----
@@ -57,7 +57,8 @@ def test_vanilla_golden_loss_and_metrics():
     ratio = torch.tensor([[0.5, 1.5, 5.0, 1.1]])
     log_prob = ratio.log().requires_grad_()
     mask = torch.ones(1, 4)
-    config = GRPOLossConfig(clip=PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0))
+    clip = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    config = GRPOLossConfig(policy_loss_config=clip)
     out = compute_grpo_loss(log_prob, torch.zeros(1, 4), torch.tensor([[1.0, 1.0, -1.0, -1.0]]), mask,
                             GlobalBatchInfo.from_masks([mask]), config)
     assert out.loss.item() == pytest.approx(0.58, abs=1e-6)
@@ -136,7 +137,6 @@ def test_gspo_matches_paper_objective(seed):
     logp_ours = logp.clone().requires_grad_()
     terms, _ = compute_policy_loss("gspo", logp_ours, old, adv, mask, config)
     info = GlobalBatchInfo(num_valid_tokens=int(mask.sum()), num_sequences=int(mask.any(-1).sum()))
-    from megatron_grpo.algo import aggregate
     aggregate(terms.loss, mask, "seq-mean-token-mean", info).backward()
 
     logp_ref = logp.clone().requires_grad_()
@@ -199,7 +199,6 @@ def test_policy_loss_registry():
     if name not in POLICY_LOSSES:
         @register_policy_loss(name)
         def reinforce(log_prob, old_log_prob, advantages, response_mask, config):
-            from megatron_grpo.algo import PolicyLossTerms
             zeros = torch.zeros_like(response_mask, dtype=torch.bool)
             return PolicyLossTerms(loss=-advantages * log_prob, clipped=zeros, clipped_lower=zeros,
                                    approx_kl=(old_log_prob - log_prob).detach())

@@ -21,7 +21,7 @@ from megatron_grpo.algo.policy_loss import POLICY_LOSSES, PolicyLossConfig, comp
 @dataclass(frozen=True)
 class GRPOLossConfig:
     policy_loss: str = "vanilla"
-    clip: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    policy_loss_config: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     loss_agg_mode: str = "token-mean"
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -58,7 +58,7 @@ def compute_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advant
         return token_mean_share(values.detach().to(torch.float32), response_mask, batch_info)
 
     terms, tis_weights = compute_policy_loss(config.policy_loss, log_prob, old_log_prob, advantages,
-                                             response_mask, config.clip, rollout_log_prob)
+                                             response_mask, config.policy_loss_config, rollout_log_prob)
     pg_loss = agg(terms.loss)
     total = pg_loss
     metrics = {"actor/pg_loss": pg_loss.detach(), "actor/pg_clipfrac": mean(terms.clipped),
