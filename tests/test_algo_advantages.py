@@ -211,3 +211,14 @@ def test_zero_variance_filter_golden_groups():
     # g1 = [1, 1, 1, 1] is dropped; the singleton g2 is kept (verl DAPO: std > 0 or len == 1)
     assert result.keep.tolist() == [True] * 4 + [False] * 4 + [True] * 3
     assert (result.num_kept_groups, result.num_dropped_groups, result.num_kept_samples) == (3, 1, 7)
+
+
+def test_algo_imports_no_megatron():
+    """Design boundary: algo/ is pure tensor code (checked in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, megatron_grpo.algo; "
+            "bad = sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

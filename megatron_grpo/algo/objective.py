@@ -55,7 +55,9 @@ def compute_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advant
         return aggregate(values, response_mask, mode, batch_info, seq_token_counts)
 
     def mean(values: torch.Tensor) -> torch.Tensor:
-        return token_mean_share(values.detach().to(torch.float32), response_mask, batch_info)
+        # bool flags and bf16 values are averaged in (at least) float32
+        dtype = torch.promote_types(values.dtype, torch.float32) if values.is_floating_point() else torch.float32
+        return token_mean_share(values.detach().to(dtype), response_mask, batch_info)
 
     terms, tis_weights = compute_policy_loss(config.policy_loss, log_prob, old_log_prob, advantages,
                                              response_mask, config.policy_loss_config, rollout_log_prob)
