@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_module
 import threading
 import time
@@ -85,7 +86,9 @@ def _child(fn, rank, world_size, port, args, env, init_group, parent_pid, result
     except BaseException:  # noqa: BLE001
         result_queue.put((rank, False, traceback.format_exc()))
         return
-    result_queue.put((rank, True, result))
+    # Plain pickle copies tensors into the message; the queue's own pickler would share their
+    # storage through file descriptors that die with this process.
+    result_queue.put((rank, True, pickle.dumps(result)))
 
 
 def _teardown():
@@ -145,7 +148,7 @@ def _collect(name: str, procs: list, result_queue, timeout: float) -> dict[int, 
                                             f"{procs[dead[0]].exitcode} before reporting a result") from None
         if not ok:
             raise DistributedChildError(_failure_message(name, rank, payload, result_queue))
-        results[rank] = payload
+        results[rank] = pickle.loads(payload)
     return results
 
 
