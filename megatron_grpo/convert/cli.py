@@ -1,0 +1,204 @@
+"""`megatron-grpo convert hf-to-megatron|megatron-to-hf ...` (also tools/convert_*.py).
+
+Runs as one process or under torchrun / srun (one rank per TP x PP shard; more ranks = data
+parallel copies, harmless). A single process converts at TP=1, PP=1: the checkpoint it writes is
+layout-free and loads at any TP/PP; only the vocabulary padding depends on the target TP
+(--tp), and it is fixed in the checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_grpo.errors import CheckpointError, MegatronGRPOError
+
+EPILOG_HF_TO_MEGATRON = """examples:
+  # one process; vocabulary padded for TP=8
+  megatron-grpo convert hf-to-megatron --hf /models/Qwen3-8B --out /ckpt/qwen3-8b-mcore --tp 8
+  # 4 processes, each loading only its shard
+  torchrun --nproc-per-node 4 tools/convert_hf_to_megatron.py --hf /models/Llama-3.1-8B \\
+      --out /ckpt/llama31-8b --tp 2 --pp 2
+"""
+EPILOG_MEGATRON_TO_HF = """examples:
+  megatron-grpo convert megatron-to-hf --ckpt /ckpt/qwen3-8b-mcore --out /export/qwen3-8b-hf
+  # check against (and take tokenizer files from) the original HF folder
+  megatron-grpo convert megatron-to-hf --ckpt /ckpt/run1/step_100/model --out /export/step100 \\
+      --hf-reference /models/Qwen3-8B --force
+"""
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-grpo convert",
+                                     description="Convert between HF safetensors folders and megatron checkpoints.")
+    sub = parser.add_subparsers(dest="direction", required=True)
+    h2m = sub.add_parser("hf-to-megatron", help="HF folder -> megatron dist_checkpoint (torch_dist)",
+                         epilog=EPILOG_HF_TO_MEGATRON, formatter_class=argparse.RawDescriptionHelpFormatter)
+    h2m.add_argument("--hf", required=True, type=Path, help="HF model folder (config.json + *.safetensors)")
+    h2m.add_argument("--out", required=True, type=Path, help="output checkpoint folder")
+    h2m.add_argument("--tp", type=int, default=1, help="target tensor parallel size (vocab padding, and the "
+                                                       "sharding used when run under torchrun)")
+    h2m.add_argument("--pp", type=int, default=1, help="pipeline parallel size when run under torchrun")
+    h2m.add_argument("--vocab-multiple", type=int, default=128,
+                     help="pad the vocabulary to a multiple of this times --tp (default 128)")
+    h2m.add_argument("--dtype", choices=["auto", *_DTYPES], default="auto",
+                     help="stored dtype; auto = config.json's dtype (bf16 or fp32)")
+    h2m.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+    m2h = sub.add_parser("megatron-to-hf", help="megatron checkpoint (any TP/PP) -> HF folder",
+                         epilog=EPILOG_MEGATRON_TO_HF, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m2h.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder written by hf-to-megatron "
+                                                              "or by the trainer")
+    m2h.add_argument("--out", required=True, type=Path, help="output HF folder")
+    m2h.add_argument("--hf-reference", type=Path, default=None,
+                     help="HF folder whose config must match; its tokenizer files are copied")
+    m2h.add_argument("--tp", type=int, default=1, help="TP size to load with under torchrun")
+    m2h.add_argument("--pp", type=int, default=1, help="PP size to load with under torchrun")
+    m2h.add_argument("--max-shard-size", type=str, default="5GB", help="safetensors shard size, e.g. 5GB, 500MB")
+    m2h.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+    return parser
+
+
+def parse_size(text: str) -> int:
+    units = {"KB": 1024, "MB": 1024**2, "GB": 1024**3, "B": 1}
+    for unit, factor in units.items():
+        if text.upper().endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.direction == "hf-to-megatron":
+            hf_to_megatron(args)
+        else:
+            megatron_to_hf(args)
+    except MegatronGRPOError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+def _check_output(out: Path, force: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise CheckpointError(f"{out}: output exists and is not empty (use --force to overwrite)")
+
+
+class _Distributed:
+    """torch.distributed for the tool: torchrun's env when present, else a 1-process gloo group."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.owned = not dist.is_initialized()
+        if self.owned:
+            if "WORLD_SIZE" not in os.environ:
+                from megatron_grpo.testing.distributed import free_port
+
+                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend)
+        return dist
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if self.owned and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _layout_for(dist, tp: int, pp: int):
+    from megatron_grpo.launch.parallel import ParallelLayout
+
+    world = dist.get_world_size()
+    if world == 1:
+        return ParallelLayout()
+    if world % (tp * pp):
+        raise CheckpointError(f"world size {world} is not a multiple of --tp {tp} x --pp {pp}")
+    return ParallelLayout(tensor=tp, pipeline=pp)
+
+
+def hf_to_megatron(args) -> Path:
+    from megatron_grpo.convert.loader import load_hf_weights
+    from megatron_grpo.convert.megatron_checkpoint import save_megatron_checkpoint
+    from megatron_grpo.convert.writer import hf_config_dtype
+    from megatron_grpo.launch.parallel import initialize_model_parallel
+    from megatron_grpo.models import ModelConfig, build_model
+
+    _check_output(args.out, args.force)
+    cfg = ModelConfig.from_hf(args.hf, tensor_parallel=args.tp, vocab_multiple=args.vocab_multiple)
+    cfg.check_tensor_parallel(args.tp)
+    dtype = _DTYPES[args.dtype] if args.dtype != "auto" else (hf_config_dtype(cfg) or torch.float32)
+    if dtype not in _DTYPES.values():
+        raise CheckpointError(f"{args.hf}/config.json: dtype {dtype} cannot be stored; pass --dtype fp32 or bf16")
+    with _Distributed() as dist:
+        layout = _layout_for(dist, args.tp, args.pp)
+        initialize_model_parallel(layout)
+        chunks = build_model(cfg, layout, dtype=dtype)
+        load_hf_weights(chunks, cfg, args.hf, progress=dist.get_rank() == 0)
+        out = save_megatron_checkpoint(chunks, cfg, args.out, assets_from=args.hf, overwrite=args.force)
+        if dist.get_rank() == 0:
+            print(f"wrote {out} ({cfg.architecture}, {cfg.num_layers} layers, vocab {cfg.vocab_size} padded to "
+                  f"{cfg.padded_vocab_size}, {str(dtype).removeprefix('torch.')})")
+    return out
+
+
+def megatron_to_hf(args) -> Path:
+    from megatron_grpo.convert.export import gather_hf_weights_on_rank0
+    from megatron_grpo.convert.loader import check_hf_config_matches
+    from megatron_grpo.convert.mappings import expected_hf_tensors
+    from megatron_grpo.convert.megatron_checkpoint import ASSETS_DIR, load_megatron_checkpoint
+    from megatron_grpo.convert.writer import HFWriter
+    from megatron_grpo.launch.parallel import initialize_model_parallel
+    from megatron_grpo.models import ModelConfig, build_model
+
+    _check_output(args.out, args.force)
+    cfg = ModelConfig.load(args.ckpt)
+    if args.hf_reference is not None:
+        check_hf_config_matches(cfg, args.hf_reference)
+    assets = args.hf_reference if args.hf_reference is not None else args.ckpt / ASSETS_DIR
+    dtype = _stored_dtype(args.ckpt)
+    with _Distributed() as dist:
+        layout = _layout_for(dist, args.tp, args.pp)
+        initialize_model_parallel(layout)
+        chunks = build_model(cfg, layout, dtype=dtype)
+        load_megatron_checkpoint(chunks, args.ckpt, cfg)
+        stream = gather_hf_weights_on_rank0(chunks, cfg)
+        if dist.get_rank() != 0:
+            for _ in stream:
+                pass
+            return args.out
+        from tqdm import tqdm
+
+        with HFWriter(args.out, cfg, assets_dir=assets if assets.is_dir() else None,
+                      max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.force) as writer:
+            for name, tensor in tqdm(stream, total=len(expected_hf_tensors(cfg)), desc="export HF", unit="tensor"):
+                writer.add(name, tensor)
+        print(f"wrote {args.out}")
+    return args.out
+
+
+def _stored_dtype(ckpt: Path) -> torch.dtype:
+    """The dtype the checkpoint's tensors were saved in (from the torch_dist metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_grpo.convert.megatron_checkpoint import WEIGHTS_DIR
+
+    metadata = ckpt / WEIGHTS_DIR / ".metadata"
+    if not metadata.is_file():
+        raise CheckpointError(f"{metadata}: not found; not a torch_dist checkpoint or incomplete")
+    meta = FileSystemReader(str(ckpt / WEIGHTS_DIR)).read_metadata()
+    dtypes = {md.properties.dtype for md in meta.state_dict_metadata.values() if hasattr(md, "properties")}
+    floats = dtypes & set(_DTYPES.values())
+    if len(floats) != 1:
+        raise CheckpointError(f"{metadata}: expected one float dtype among the weights, found {sorted(map(str, dtypes))}")
+    return floats.pop()
