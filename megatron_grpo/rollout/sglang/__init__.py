@@ -1,0 +1,1 @@
+"""SGLang rollout: HTTP client, server launcher, weight-sync transports, the SGLangEngine."""

@@ -1,0 +1,171 @@
+"""Start, health-wait and stop `python -m sglang.launch_server` processes (and optionally a router).
+
+Each server gets its own log file and process group; shutdown signals the group (SIGTERM, then
+SIGKILL), at close(), at interpreter exit, and, on Linux, when the launching thread dies
+(PR_SET_PDEATHSIG), so a crashed trainer does not leave GPU servers behind."""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from megatron_grpo.rollout.sglang.errors import SGLangError
+from megatron_grpo.rollout.sglang.http import request_json
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """One SGLang server's command line. `extra_args` are appended untouched."""
+
+    model_path: str
+    tp_size: int = 1
+    mem_fraction_static: float | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    enable_memory_saver: bool = False
+    extra_args: tuple[str, ...] = ()
+    python: str = sys.executable
+    module: str = "sglang.launch_server"  # tests point this at the fake server
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def server_command(settings: ServerSettings) -> list[str]:
+    cmd = [settings.python, "-m", settings.module, "--model-path", str(settings.model_path),
+           "--tp-size", str(settings.tp_size), "--host", settings.host, "--port", str(settings.port)]
+    if settings.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(settings.mem_fraction_static)]
+    if settings.api_key:
+        cmd += ["--api-key", settings.api_key]
+    if settings.enable_memory_saver:
+        cmd += ["--enable-memory-saver"]
+    return cmd + list(settings.extra_args)
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    host: str = "127.0.0.1"
+    port: int = 30100
+    policy: str = "round_robin"
+    extra_args: tuple[str, ...] = ()
+    python: str = sys.executable
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def router_command(settings: RouterSettings, worker_urls: Sequence[str]) -> list[str]:
+    return [settings.python, "-m", "sglang_router.launch_router", "--host", settings.host, "--port",
+            str(settings.port), "--policy", settings.policy, "--worker-urls", *worker_urls, *settings.extra_args]
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+@dataclass
+class SGLangLauncher:
+    """Starts one process per ServerSettings (plus a router if given) and stops them all."""
+
+    servers: Sequence[ServerSettings]
+    log_dir: str | Path
+    router: RouterSettings | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    processes: list[ManagedProcess] = field(default_factory=list)
+
+    def start(self) -> list[str]:
+        """Starts the servers (not the router: it needs healthy workers, see wait_healthy)."""
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        atexit.register(self.shutdown)
+        for index, settings in enumerate(self.servers):
+            self._spawn(f"sglang-{index}-port{settings.port}", settings.url, server_command(settings))
+        return [s.url for s in self.servers]
+
+    def _spawn(self, name: str, url: str, cmd: list[str]) -> None:
+        log_path = Path(self.log_dir) / f"{name}.log"
+        with open(log_path, "ab") as log:
+            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.flush()
+            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                                       start_new_session=True, preexec_fn=_die_with_parent)
+        self.processes.append(ManagedProcess(name, url, process, log_path))
+
+    def wait_healthy(self, timeout_s: float = 900.0, poll_s: float = 1.0) -> str | None:
+        """Waits for GET /health on every server (then starts the router and waits for it).
+
+        Returns the URL to send /generate to (router or None). Raises SGLangError naming the URL
+        and the log tail if a server exits or is not healthy within timeout_s."""
+        api_key = next((s.api_key for s in self.servers if s.api_key), None)
+        for proc in list(self.processes):
+            self._wait_one(proc, time.monotonic() + timeout_s, poll_s, api_key)
+        if self.router is None:
+            return None
+        self._spawn(f"sglang-router-port{self.router.port}", self.router.url,
+                    router_command(self.router, [s.url for s in self.servers]))
+        self._wait_one(self.processes[-1], time.monotonic() + timeout_s, poll_s, None)
+        return self.router.url
+
+    def _wait_one(self, proc: ManagedProcess, deadline: float, poll_s: float, api_key: str | None) -> None:
+        while True:
+            code = proc.process.poll()
+            if code is not None:
+                raise SGLangError(f"{proc.name} ({proc.url}) exited with code {code} before becoming healthy; "
+                                  f"log {proc.log_path}:\n{proc.log_tail()}", proc.url)
+            try:
+                request_json(proc.url, "/health", method="GET", timeout_s=5.0, api_key=api_key)
+                return
+            except SGLangError:
+                pass
+            if time.monotonic() > deadline:
+                raise SGLangError(f"{proc.name} ({proc.url}) not healthy in time; log {proc.log_path}:\n"
+                                  f"{proc.log_tail()}", proc.url)
+            time.sleep(poll_s)
+
+    def shutdown(self, grace_s: float = 15.0) -> None:
+        """SIGTERM to each process group, SIGKILL after grace_s; idempotent."""
+        for proc in self.processes:
+            if proc.process.poll() is None:
+                _signal_group(proc.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.processes:
+            try:
+                proc.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.process.pid, signal.SIGKILL)
+                proc.process.wait()
+        self.processes.clear()
+        atexit.unregister(self.shutdown)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # the process leads its own session/group (start_new_session)
+    except ProcessLookupError:
+        pass

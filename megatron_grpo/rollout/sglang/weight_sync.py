@@ -1,0 +1,268 @@
+"""Weight transports from the trainer to SGLang servers, and the update protocol around them.
+
+Every transport consumes one stream of HF-named full tensors (the exporter's output) in buckets:
+- DistributedTransport: a process group of its own (trainer rank 0 + every engine TP rank) built
+  to match /init_weights_update_group; per bucket, POST /update_weights_from_distributed with
+  names/dtypes/shapes and broadcast the tensors from rank 0. One instance (group name, port) per
+  pipeline stage lets the stages push their own layers in parallel.
+- TensorTransport (colocated): per bucket a flattened_bucket payload serialized with ForkingPickler
+  (CUDA IPC handles on GPU, shared memory on CPU), one entry per engine TP rank, to
+  /update_weights_from_tensor.
+- DiskTransport: an HF safetensors folder in a shared directory, then /update_weights_from_disk.
+
+`update_weights` wraps a transport in the protocol of one update: pause_generation, push,
+flush_cache (retried while requests drain), continue_generation; every request carries the
+weight_version stamp."""
+from __future__ import annotations
+
+import abc
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.rollout.hf_folder import write_hf_folder
+from megatron_grpo.rollout.sglang.buckets import iter_buckets, tensor_bytes
+from megatron_grpo.rollout.sglang.client import SGLangClient
+from megatron_grpo.rollout.sglang.errors import SGLangError
+from megatron_grpo.rollout.sglang.process_group import destroy_process_group, init_custom_process_group
+from megatron_grpo.rollout.sglang.serialization import MetadataFormat, flatten_bucket, serialize
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class SyncStats:
+    num_tensors: int = 0
+    num_bytes: int = 0
+    num_buckets: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.num_bytes / 1e9 / self.seconds if self.seconds > 0 else float("nan")
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """One SGLang server (engine) and how many TP ranks (GPUs) serve it."""
+
+    url: str
+    tp_size: int = 1
+
+
+class WeightTransport(abc.ABC):
+    targets: Sequence[EngineTarget]
+
+    @abc.abstractmethod
+    def push(self, named_tensors: NamedTensors, version: int) -> SyncStats: ...
+
+    def close(self) -> None:
+        pass
+
+
+def _check(url: str, path: str, answer: object) -> None:
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise SGLangError(f"{url}{path} failed: {answer.get('message')}", url)
+
+
+class DistributedTransport(WeightTransport):
+    """See the module docstring. Call connect() once (it blocks until every engine joined)."""
+
+    def __init__(self, client: SGLangClient, targets: Sequence[EngineTarget], master_address: str, master_port: int,
+                 *, group_name: str = "megatron-grpo-weights", backend: str = "nccl", bucket_bytes: int = 512 * 2**20,
+                 timeout_s: float = 600.0):
+        self.client = client
+        self.targets = list(targets)
+        self.master_address, self.master_port = master_address, master_port
+        self.group_name, self.backend = group_name, backend
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.world_size = 1 + sum(t.tp_size for t in self.targets)
+        self._group: dist.ProcessGroup | None = None
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.targets)), thread_name_prefix="weight-sync")
+
+    @classmethod
+    def for_pipeline_stage(cls, client: SGLangClient, targets: Sequence[EngineTarget], master_address: str,
+                           base_port: int, stage: int, **kwargs) -> "DistributedTransport":
+        """The transport of pipeline stage `stage`: its own group name and port (base_port + stage)."""
+        return cls(client, targets, master_address, base_port + stage, group_name=f"megatron-grpo-pp{stage}", **kwargs)
+
+    def _post_all(self, path: str, payload_for: Callable[[int, EngineTarget], dict]) -> list[Future]:
+        return [self._pool.submit(self.client.call, t.url, path, payload_for(i, t), timeout_s=self.timeout_s)
+                for i, t in enumerate(self.targets)]
+
+    def _wait(self, path: str, futures: list[Future]) -> None:
+        for target, future in zip(self.targets, futures):
+            _check(target.url, path, future.result())
+
+    def connect(self) -> None:
+        offsets = [1 + sum(t.tp_size for t in self.targets[:i]) for i in range(len(self.targets))]
+        futures = self._post_all("/init_weights_update_group", lambda i, t: {
+            "master_address": self.master_address, "master_port": self.master_port, "rank_offset": offsets[i],
+            "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend})
+        try:
+            self._group = init_custom_process_group(self.backend, self.master_address, self.master_port, 0,
+                                                    self.world_size, self.group_name, timeout_s=self.timeout_s)
+        except Exception as exc:
+            failed = [f"{t.url}: {f.exception()}" for t, f in zip(self.targets, futures)
+                      if f.done() and f.exception() is not None]
+            raise SGLangError(f"weight-update group {self.group_name!r} at {self.master_address}:{self.master_port} "
+                              f"did not form ({exc}); engine answers: {failed or 'none yet'}") from None
+        self._wait("/init_weights_update_group", futures)
+
+    def push(self, named_tensors: NamedTensors, version: int) -> SyncStats:
+        if self._group is None:
+            raise SGLangError(f"DistributedTransport {self.group_name!r}: call connect() before push()")
+        stats = SyncStats()
+        start = time.perf_counter()
+        for bucket in iter_buckets(named_tensors, self.bucket_bytes):
+            payload = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                       "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
+                       "flush_cache": False, "weight_version": str(version)}
+            futures = self._post_all("/update_weights_from_distributed", lambda i, t: payload)
+            sent = [tensor.detach().to(self.device).contiguous() for _, tensor in bucket]
+            works = [dist.broadcast(t, group_src=0, group=self._group, async_op=True) for t in sent]
+            self._wait_broadcasts(works, futures)
+            stats.num_bytes += sum(tensor_bytes(t) for t in sent)
+            self._wait("/update_weights_from_distributed", futures)
+            stats.num_tensors += len(bucket)
+            stats.num_buckets += 1
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _wait_broadcasts(self, works: list, futures: list[Future]) -> None:
+        """Waits for the broadcasts, but fails fast (instead of hanging until the group timeout)
+        if an engine already answered the update request with an error."""
+        while not all(w.is_completed() for w in works):
+            for target, future in zip(self.targets, futures):
+                if future.done() and (future.exception() is not None or
+                                      (isinstance(future.result(), dict) and future.result().get("success") is False)):
+                    error = future.exception() or future.result().get("message")
+                    raise SGLangError(f"{target.url}/update_weights_from_distributed failed while the trainer was "
+                                      f"broadcasting (group {self.group_name!r} is now unusable): {error}", target.url)
+            time.sleep(0.0005)
+        for work in works:
+            work.wait()
+
+    def close(self) -> None:
+        if self._group is not None:
+            futures = self._post_all("/destroy_weights_update_group", lambda i, t: {"group_name": self.group_name})
+            for future in futures:
+                future.exception()  # best effort: a server that is gone has no group left anyway
+            destroy_process_group(self._group)
+            self._group = None
+        self._pool.shutdown(wait=False)
+
+
+class TensorTransport(WeightTransport):
+    """Colocated: tensors stay in this process's memory, the server maps them (see module docstring).
+
+    On one node each engine TP rank must get the payload made by the trainer rank on its GPU:
+    pass `gather_payloads(payload) -> list[str] | None` that gathers them to the posting rank
+    (None on ranks that do not post). Without it the one payload is replicated to all TP ranks,
+    which is right for tp_size 1 and for CPU tensors."""
+
+    def __init__(self, client: SGLangClient, target: EngineTarget, *, bucket_bytes: int = 512 * 2**20,
+                 metadata_format: MetadataFormat = "sglang",
+                 gather_payloads: Callable[[str], list[str] | None] | None = None, timeout_s: float = 600.0):
+        self.client = client
+        self.targets = [target]
+        self.bucket_bytes = bucket_bytes
+        self.metadata_format = metadata_format
+        self.gather_payloads = gather_payloads
+        self.timeout_s = timeout_s
+
+    def push(self, named_tensors: NamedTensors, version: int) -> SyncStats:
+        stats = SyncStats()
+        start = time.perf_counter()
+        target = self.targets[0]
+        for bucket in iter_buckets(named_tensors, self.bucket_bytes):
+            flat = flatten_bucket(bucket, self.metadata_format)  # alive until the server answered
+            payload = serialize(flat)
+            payloads = self.gather_payloads(payload) if self.gather_payloads else [payload] * target.tp_size
+            if payloads is not None:
+                answer = self.client.call(target.url, "/update_weights_from_tensor", {
+                    "serialized_named_tensors": payloads, "load_format": "flattened_bucket", "flush_cache": False,
+                    "weight_version": str(version)}, timeout_s=self.timeout_s)
+                _check(target.url, "/update_weights_from_tensor", answer)
+            del flat
+            stats.num_tensors += len(bucket)
+            stats.num_bytes += sum(tensor_bytes(t) for _, t in bucket)
+            stats.num_buckets += 1
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+
+class DiskTransport(WeightTransport):
+    """Writes `folder/weights_v{version}` (shared with the servers), then every server reloads it.
+    Keeps the newest `keep_last` folders; config/tokenizer files come from `side_files_from`."""
+
+    def __init__(self, client: SGLangClient, targets: Sequence[EngineTarget], folder: str | Path, *,
+                 side_files_from: str | Path | None = None, keep_last: int = 1, max_shard_bytes: int = 2 * 1024**3,
+                 timeout_s: float = 1800.0):
+        self.client = client
+        self.targets = list(targets)
+        self.folder = Path(folder)
+        self.side_files_from = side_files_from
+        self.keep_last = keep_last
+        self.max_shard_bytes = max_shard_bytes
+        self.timeout_s = timeout_s
+
+    def push(self, named_tensors: NamedTensors, version: int) -> SyncStats:
+        start = time.perf_counter()
+        tensors = []
+
+        def counted():
+            for name, tensor in named_tensors:
+                tensors.append(tensor_bytes(tensor))
+                yield name, tensor
+
+        path, nbytes = write_hf_folder(counted(), self.folder / f"weights_v{version}", self.side_files_from,
+                                       self.max_shard_bytes)
+        answers = self.client.call_all("/update_weights_from_disk", {
+            "model_path": str(path), "weight_version": str(version), "flush_cache": False},
+            urls=[t.url for t in self.targets], timeout_s=self.timeout_s)
+        for target, answer in zip(self.targets, answers):
+            _check(target.url, "/update_weights_from_disk", answer)
+        self._prune(keep=path)
+        return SyncStats(len(tensors), nbytes, 1, time.perf_counter() - start)
+
+    def _prune(self, keep: Path) -> None:
+        folders = sorted((p for p in self.folder.glob("weights_v*") if p.is_dir() and p != keep),
+                         key=lambda p: p.stat().st_mtime)
+        for old in folders[:max(0, len(folders) - (self.keep_last - 1))]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def flush_cache(client: SGLangClient, url: str, timeout_s: float = 60.0) -> None:
+    """POST /flush_cache until it succeeds: SGLang answers 400 while requests are still running."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.call(url, "/flush_cache", {})
+            return
+        except SGLangError as exc:
+            if exc.status != 400 or time.monotonic() > deadline:
+                raise SGLangError(f"{url}/flush_cache did not succeed within {timeout_s:g}s: {exc}", url) from None
+            time.sleep(0.2)
+
+
+def update_weights(client: SGLangClient, transport: WeightTransport, named_tensors: NamedTensors,
+                   version: int) -> SyncStats:
+    """One update of every engine behind `transport`: pause, push, flush, continue."""
+    urls = [t.url for t in transport.targets]
+    client.call_all("/pause_generation", {"mode": "abort"}, urls=urls)
+    try:
+        stats = transport.push(named_tensors, version)
+        for url in urls:
+            flush_cache(client, url)
+    finally:
+        client.call_all("/continue_generation", {}, urls=urls)
+    return stats
