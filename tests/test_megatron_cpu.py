@@ -6,7 +6,8 @@ losses, gradients and optimizer step:
   * TP=2 vs TP=1: logits and grads
   * TP=2 + sequence parallel vs TP=1: logits and grads (after finalize_model_grads)
   * PP=2 (and TP=2 x PP=2, world 4) get_forward_backward_func vs PP=1: losses and grads
-  * DP=2, megatron DDP + distributed optimizer: one step == DP=1 on the full batch
+  * DP=2, megatron DDP + distributed optimizer: one step == DP=1 on the full batch, and a
+    dist_checkpointing save/load of model + optimizer resumes to the uninterrupted parameters
 """
 from __future__ import annotations
 
@@ -242,15 +243,12 @@ def _pipeline_parallel(rank, world_size, weights, tp, pp):
     return result
 
 
-def _optimizer_step(rank, world_size, weights):
-    """One step of megatron DDP + distributed optimizer; each DP rank takes its share of the batch."""
-    from megatron.core import parallel_state as ps
+def _trainable(weights):
+    """Model with the given weights, megatron DDP and the distributed optimizer (torch AdamW)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    _init()
     model, config = _build_gpt(tp=1, pp=1)
     _load_full_weights(model, weights)
     ddp = DistributedDataParallel(
@@ -260,9 +258,19 @@ def _optimizer_step(rank, world_size, weights):
                         clip_grad=1.0, use_distributed_optimizer=True, params_dtype=torch.float32), [ddp])
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    rows = len(_batch()[0]) // dp
-    tokens, labels = _batch(slice(dp_rank * rows, (dp_rank + 1) * rows))
+    return model, ddp, optimizer
+
+
+def _data_parallel_share():
+    from megatron.core import parallel_state as ps
+
+    rows = len(_batch()[0]) // ps.get_data_parallel_world_size()
+    start = ps.get_data_parallel_rank() * rows
+    return _batch(slice(start, start + rows))
+
+
+def _train_step(ddp, optimizer, tokens, labels):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, chunk):
         output = chunk(tokens, _positions(len(tokens)), None, labels=labels)
@@ -275,10 +283,52 @@ def _optimizer_step(rank, world_size, weights):
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     losses = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=None, model=[ddp],
-                                         num_microbatches=1, seq_length=SEQ, micro_batch_size=rows)
+                                         num_microbatches=1, seq_length=SEQ, micro_batch_size=len(tokens))
     ok, grad_norm, _ = optimizer.step()
-    params = {name: param.detach().clone() for name, param in model.named_parameters()}
-    return {"ok": ok, "grad_norm": grad_norm, "loss": losses[0]["loss"].item(), "params": params}
+    return ok, grad_norm, losses[0]["loss"].item()
+
+
+def _params(model) -> dict:
+    return {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+def _optimizer_step(rank, world_size, weights):
+    """One step of megatron DDP + distributed optimizer; each DP rank takes its share of the batch."""
+    _init()
+    model, ddp, optimizer = _trainable(weights)
+    ok, grad_norm, loss = _train_step(ddp, optimizer, *_data_parallel_share())
+    return {"ok": ok, "grad_norm": grad_norm, "loss": loss, "params": _params(model)}
+
+
+def _resume(rank, world_size, weights, checkpoint_dir):
+    """Step, save (model + distributed optimizer), step again; then a fresh model and optimizer
+    load the checkpoint and take that second step: both must end with the same parameters."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_grpo.launch.cpu import fix_torch_adam_step_after_load, prepare_torch_adam_for_load
+    from megatron_grpo.launch.mcore_compat import optimizer_sharded_state_dict
+
+    _init()
+    batch = _data_parallel_share()
+    model, ddp, optimizer = _trainable(weights)
+    _train_step(ddp, optimizer, *batch)
+    model_state = model.sharded_state_dict()
+    dist_checkpointing.save({"model": model_state, "optimizer": optimizer_sharded_state_dict(
+        optimizer, model_state, is_loading=False)}, checkpoint_dir)
+    _train_step(ddp, optimizer, *batch)
+    uninterrupted = _params(model)
+
+    fresh_model, fresh_ddp, fresh_optimizer = _trainable(weights)
+    prepare_torch_adam_for_load(fresh_optimizer)
+    model_state = fresh_model.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": model_state, "optimizer": optimizer_sharded_state_dict(
+        fresh_optimizer, model_state, is_loading=True)}, checkpoint_dir)
+    fresh_model.load_state_dict(loaded["model"])
+    with torch.no_grad():  # megatron copies into views of leaf params
+        fresh_optimizer.load_state_dict(loaded["optimizer"])
+    fix_torch_adam_step_after_load(fresh_optimizer)
+    _train_step(fresh_ddp, fresh_optimizer, *batch)
+    return {"uninterrupted": uninterrupted, "resumed": _params(fresh_model)}
 
 
 def _dropout_is_quiet(rank, world_size):
@@ -356,6 +406,14 @@ def test_distributed_optimizer_step_matches_full_batch(reference):
     assert moved > 1e-4, "the step must actually move the parameters"
     for result in pair:
         _assert_close(result["params"], single["params"], "DP=2 params after one step")
+
+
+def test_distributed_optimizer_checkpoint_resume(reference, tmp_path):
+    checkpoint_dir = tmp_path / "ckpt"
+    checkpoint_dir.mkdir()
+    results = run_distributed(_resume, world_size=2, args=(reference["weights"], str(checkpoint_dir)), timeout=120)
+    for result in results:
+        _assert_close(result["resumed"], result["uninterrupted"], "resumed vs uninterrupted params")
 
 
 def test_cpu_rng_warning_is_silenced():

@@ -200,7 +200,7 @@ def _slurm_local_world_size(env: Mapping[str, str]) -> int:
 def _reject_unlaunched_slurm_allocation(env: Mapping[str, str]) -> None:
     # The batch script of `sbatch -n 8` has SLURM_PROCID=0 and SLURM_NTASKS=8 but is one process;
     # treating it as rank 0 of 8 would wait forever for the other seven.
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1") or 1) > 1:
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _int(env, "SLURM_NTASKS", SLURM) > 1:
         raise LaunchError(
             f"slurm: this process runs inside an allocation of SLURM_NTASKS={env['SLURM_NTASKS']} tasks but "
             "was not started by srun (SLURM_STEP_ID is unset); start it with `srun python ...` or "
