@@ -37,7 +37,10 @@ class SyntheticTaskConfig:
     task: str = "reverse"
     min_digits: int = 3
     max_digits: int = 5
-    num_symbols: int = 10  # draw digits from 0..num_symbols-1; fewer symbols make the task easier
+    # digits are drawn from 0..num_symbols-1. Measured with a random-init Qwen3 (hidden 64, 2 layers),
+    # 16 prompts x 8 samples, Adam 1e-3, one on-policy update per step: reverse with 5 symbols went
+    # from reward 0.06 to 0.25 in 100 steps; with 10 symbols it was still at 0.09 after 110 steps.
+    num_symbols: int = 5
 
     def validate(self) -> None:
         if self.task not in TASKS:
