@@ -247,6 +247,10 @@ def test_device_selection():
     assert select_device(3, 4, cuda_device_count=8) == torch.device("cuda", 3)
     with pytest.raises(LaunchError, match="8 ranks on this node but only 4 CUDA devices are visible"):
         select_device(5, 8, cuda_device_count=4)
+    # srun --gpus-per-task=1: each task sees only its own GPU.
+    assert select_device(3, 4, cuda_device_count=1, launcher="slurm") == torch.device("cuda", 0)
+    with pytest.raises(LaunchError, match="4 ranks on this node but only 1 CUDA devices"):
+        select_device(3, 4, cuda_device_count=1, launcher="torchrun")
     assert (select_backend(True), select_backend(False)) == ("nccl", "gloo")
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.errors import LaunchError
-from megatron_grpo.launch.env import RankInfo, discover_ranks
+from megatron_grpo.launch.env import MPI, SLURM, RankInfo, discover_ranks
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +40,17 @@ def select_backend(cuda_available: bool) -> str:
     return "nccl" if cuda_available else "gloo"
 
 
-def select_device(local_rank: int, local_world_size: int, cuda_device_count: int | None) -> torch.device:
+def select_device(local_rank: int, local_world_size: int, cuda_device_count: int | None,
+                  launcher: str = "torchrun") -> torch.device:
     """cuda:local_rank, or cpu when `cuda_device_count` is None (no CUDA). Each local rank needs
-    its own device: two ranks on one GPU would deadlock nccl or run out of memory."""
+    its own device: two ranks on one GPU would deadlock nccl or run out of memory.
+
+    Slurm and MPI can bind one GPU per task (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES per
+    rank): then every rank sees exactly one device, and it is cuda:0."""
     if cuda_device_count is None:
         return torch.device("cpu")
+    if cuda_device_count == 1 and local_world_size > 1 and launcher in (SLURM, MPI):
+        return torch.device("cuda", 0)
     if local_world_size > cuda_device_count:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
         raise LaunchError(
@@ -64,7 +70,8 @@ def init_distributed(ranks: RankInfo | None = None, *, env: Mapping[str, str] | 
     if ranks is None:
         ranks = discover_ranks(os.environ if env is None else env, mpi_comm=mpi_comm)
     cuda = torch.cuda.is_available()
-    device = select_device(ranks.local_rank, ranks.local_world_size, torch.cuda.device_count() if cuda else None)
+    device = select_device(ranks.local_rank, ranks.local_world_size, torch.cuda.device_count() if cuda else None,
+                           ranks.launcher)
     backend = backend or select_backend(cuda)
     if backend == "nccl" and not cuda:
         raise LaunchError("backend 'nccl' needs CUDA, but torch.cuda.is_available() is False; use 'gloo'")
