@@ -17,7 +17,7 @@ from megatron_grpo.errors import ConfigError
 from megatron_grpo.launch.parallel import ParallelLayout
 from megatron_grpo.models.hf_config import ModelConfig
 from megatron_grpo.models.rope import rope_inv_freq
-from megatron_grpo.models.spec import Backend, layer_spec
+from megatron_grpo.models.spec import Backend, layer_spec, resolve_backend
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -97,11 +97,12 @@ def build_model(model_config: ModelConfig, layout: ParallelLayout | None = None,
     for vp_stage in vp_stages:
         pre = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-        chunks.append(_build_chunk(model_config, config, spec, pre, post, vp_stage, dtype))
+        chunks.append(_build_chunk(model_config, config, spec, pre, post, vp_stage, dtype,
+                                   local_context_parallel=actual.context > 1 and resolve_backend(backend) == "local"))
     return chunks
 
 
-def _build_chunk(model_config, config, spec, pre_process, post_process, vp_stage, dtype):
+def _build_chunk(model_config, config, spec, pre_process, post_process, vp_stage, dtype, local_context_parallel):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
@@ -121,6 +122,11 @@ def _build_chunk(model_config, config, spec, pre_process, post_process, vp_stage
     inv_freq = model.rotary_pos_emb.inv_freq
     model.rotary_pos_emb.inv_freq = rope_inv_freq(
         model_config.head_dim, model_config.rope_theta, model_config.rope_scaling).to(inv_freq.device)
+    if local_context_parallel:
+        from megatron_grpo.ops.context_parallel import ContextParallelRotaryEmbedding
+
+        # Same module and state, our CP slicing in forward (see ops/context_parallel.py).
+        model.rotary_pos_emb.__class__ = ContextParallelRotaryEmbedding
     if dtype == torch.bfloat16:
         return Float16Module(config, model)
     return model
