@@ -145,3 +145,27 @@ def test_logits_match_hf(hf_models, hf_logits, tp, pp):
             rel = np.abs(got - ref).max() / np.abs(ref).max()
             assert rel <= 1e-5, f"{arch} TP={tp} PP={pp}: max relative error {rel:.2e}"
     assert all(not r for r in results[:-tp])  # earlier stages produce no logits
+
+
+def _bf16_logits(rank, world_size, path):
+    from megatron_grpo.convert import export_hf_weights, load_hf_weights
+    from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
+    from megatron_grpo.models import build_model
+
+    initialize_model_parallel(ParallelLayout())
+    cfg = ModelConfig.from_hf(path, vocab_multiple=8)
+    chunks = build_model(cfg, dtype=torch.bfloat16)
+    load_hf_weights(chunks, cfg, path)
+    assert next(chunks[0].parameters()).dtype == torch.bfloat16
+    exported = dict(export_hf_weights(chunks, cfg))
+    tokens = _tokens(cfg.vocab_size)
+    logits = chunks[0](tokens, torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1), None)
+    return logits[..., : cfg.vocab_size].detach().float().numpy(), exported["model.norm.weight"].dtype
+
+
+@pytest.mark.slow
+def test_bf16_build(hf_models, hf_logits):
+    logits, exported_dtype = run_distributed(_bf16_logits, 1, args=(hf_models["llama"],), timeout=300)[0]
+    ref = hf_logits["llama"]
+    assert exported_dtype == torch.bfloat16
+    assert np.abs(logits - ref).max() / np.abs(ref).max() < 5e-2  # bf16 weights and activations
