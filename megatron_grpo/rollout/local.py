@@ -62,7 +62,7 @@ class LocalEngine(RolloutEngine):
         self.max_batch_rows = max_batch_rows
         self._loader = HFWeightLoader(self.model)
         self._lock = threading.RLock()  # generate and update_weights never interleave
-        self._abort = threading.Event()
+        self._abort_epoch = 0  # abort() bumps it; a generate() that began before is aborted
         self._version = 0
         self._seed_generator = torch.Generator().manual_seed(seed)
         self.eos_token_ids = frozenset(self._find_eos(eos_token_ids))
@@ -116,10 +116,14 @@ class LocalEngine(RolloutEngine):
                                  f"engine has no tokenizer to decode them")
         rows = [self._new_row(i, j, req) for i, req in enumerate(requests) for j in range(req.sampling.n)]
         seeds = [self._row_seed(req) for req in requests]
+        epoch = self._abort_epoch
         with self._lock, torch.inference_mode():
-            self._abort.clear()
             for chunk in self._chunks(rows):
-                self._decode(requests, chunk, seeds)
+                if self._abort_epoch != epoch:
+                    for row in chunk:
+                        row.finish = "abort"
+                    continue
+                self._decode(requests, chunk, seeds, epoch)
         version = self._version
         return [Sample(group_id=requests[r.request_index].group_id, sample_index=r.sample_index,
                        prompt_ids=list(requests[r.request_index].prompt_ids), response_ids=r.response,
@@ -127,8 +131,9 @@ class LocalEngine(RolloutEngine):
                        matched_stop=r.matched) for r in rows]
 
     def abort(self) -> None:
-        """Ends the running generate(): unfinished samples come back with finish reason 'abort'."""
-        self._abort.set()
+        """Ends every generate() call begun before this one (running, or waiting for the model):
+        their unfinished samples come back with finish reason 'abort'."""
+        self._abort_epoch += 1
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         self.load_weights(named_tensors, version)
@@ -189,7 +194,7 @@ class LocalEngine(RolloutEngine):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         return out.logits[:, -1].float()
 
-    def _decode(self, requests: Sequence[GenerationRequest], rows: list[_Row], seeds: list[int]) -> None:
+    def _decode(self, requests: Sequence[GenerationRequest], rows: list[_Row], seeds: list[int], epoch: int) -> None:
         from transformers import DynamicCache
 
         device = self.device
@@ -227,7 +232,7 @@ class LocalEngine(RolloutEngine):
                 row.response.append(token)
                 row.logprobs.append(logprob)
                 self._check_finished(row, token, stop_window[id(row)])
-            if self._abort.is_set():
+            if self._abort_epoch != epoch:
                 for row in batch:
                     if row.finish is None:
                         row.finish = "abort"

@@ -13,7 +13,10 @@ def derive_sample_seed(seed: int, sample_index: int) -> int:
 
     The n samples of one seeded request must differ from each other (identical samples would give a
     GRPO group zero advantage), yet each must be reproducible on its own; every engine uses this
-    same derivation so that the local engine and SGLang agree on which seed each sample got."""
+    same derivation so that the local engine and SGLang agree on which seed each sample got.
+    Sample 0 keeps the seed itself, so a seeded n=1 request is sent to SGLang unchanged."""
+    if sample_index == 0:
+        return seed
     return (seed * 1_000_003 + sample_index * 7_919 + 1) % (2**63 - 1)
 
 

@@ -5,8 +5,8 @@
         [--die-on-generate N] [--fail-first N] [--generate-delay S]
 
 Accepts (and ignores) any other sglang.launch_server flag, so the real launcher can start it.
-Weight-update groups are joined over gloo with one rank per --tp-size (threads), as the TP
-workers of a real server would. Fake-only: GET /fake/weights_digest (sha256 per parameter)."""
+Weight-update groups are joined over gloo (tp_size 1 only: see init_weights_update_group);
+flattened_bucket payloads are read once per TP rank and must agree. Fake-only: GET /fake/weights_digest (sha256 per parameter)."""
 from __future__ import annotations
 
 import argparse
@@ -183,13 +183,14 @@ class FakeSGLang:
         name = body.get("group_name", "weight_update_group")
         if body.get("backend", "nccl") != "gloo":
             return {"success": False, "message": f"the fake server joins groups over gloo, not {body.get('backend')}"}
-        ranks = [body["rank_offset"] + r for r in range(self.args.tp_size)]
-        with ThreadPoolExecutor(len(ranks)) as pool:
-            groups = list(pool.map(lambda rank: init_custom_process_group(
-                "gloo", body["master_address"], body["master_port"], rank, body["world_size"], name,
-                timeout_s=self.args.group_timeout), ranks))
-        self.groups[name] = groups
-        return {"success": True, "message": f"joined {name} as ranks {ranks}"}
+        if self.args.tp_size != 1:
+            # A real server's TP ranks are separate processes; torch registers a group name once
+            # per process, so the fake (one process) can only join as a single rank.
+            return {"success": False, "message": "the fake server joins weight-update groups with tp_size 1 only"}
+        rank = body["rank_offset"]
+        self.groups[name] = [init_custom_process_group("gloo", body["master_address"], body["master_port"], rank,
+                                                       body["world_size"], name, timeout_s=self.args.group_timeout)]
+        return {"success": True, "message": f"joined {name} as rank {rank}"}
 
     def update_weights_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
         name = body.get("group_name", "weight_update_group")

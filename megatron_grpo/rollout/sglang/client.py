@@ -86,7 +86,8 @@ class SGLangClient:
     def _pick_url(self, tried: list[str]) -> str:
         now = time.monotonic()
         with self._lock:
-            order = [self.urls[(next(self._round_robin) + i) % len(self.urls)] for i in range(len(self.urls))]
+            first = next(self._round_robin)
+            order = [self.urls[(first + i) % len(self.urls)] for i in range(len(self.urls))]
             alive = [u for u in order if self._dead_until.get(u, 0.0) <= now]
         # Prefer live servers not yet tried for this request, then any live one, then any at all.
         for candidates in ([u for u in alive if u not in tried], alive, order):
