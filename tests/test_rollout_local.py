@@ -40,7 +40,7 @@ def recompute_logprobs(model, prompt, response, temperature):
 
 
 def test_n_samples_per_prompt_in_request_order(engine):
-    out = engine.generate(requests_for(SamplingParams(n=3, max_new_tokens=6, seed=4)))
+    out = engine.generate(requests_for(SamplingParams(n=3, max_new_tokens=6, seed=4, ignore_eos=True)))
     assert [(s.group_id, s.sample_index) for s in out] == [(f"g{i}", j) for i in range(3) for j in range(3)]
     for s in out:
         assert s.prompt_ids == list(PROMPTS[int(s.group_id[1:])])

@@ -199,7 +199,7 @@ def test_launcher_command_lines():
 
 def test_launcher_reports_a_server_that_dies_at_startup(tmp_path):
     settings = fake_server_settings(tmp_path / "no-such-model")
-    with pytest.raises(SGLangError, match=rf"\({settings.url}\) exited with code 1 before becoming healthy.*"
+    with pytest.raises(SGLangError, match=rf"(?s)\({settings.url}\) exited with code 1 before becoming healthy.*"
                                           r"no config.json"):
         launch_fake_servers(tmp_path / "logs", [settings], timeout_s=60)
     assert (tmp_path / "logs" / f"sglang-0-port{settings.port}.log").is_file()
