@@ -1,0 +1,179 @@
+"""The GRPO training loop, top to bottom (DESIGN.md "one step"):
+
+    prompts -> rollout (n per prompt, with log-probs) -> rewards -> group advantages (+ DAPO filter)
+    -> scatter to data-parallel ranks, token-balanced micro-batches
+    -> old / reference log-probs (only when needed) -> ppo_epochs x mini-batch updates
+    -> weight sync to the rollout engine -> metrics -> eval
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.algo import AdvantageConfig, GlobalBatchInfo, GRPOLossConfig, PolicyLossConfig
+from megatron_grpo.config.schema import Config
+from megatron_grpo.rollout.types import SamplingParams
+from megatron_grpo.trainer.batching import MicroBatch
+from megatron_grpo.trainer.metrics import MetricsLogger, NullLogger, SinkOptions, plot_reward_curve
+from megatron_grpo.trainer.micro_batches import plan_micro_batches
+from megatron_grpo.trainer.rollout_phase import RolloutSettings, broadcast_batch, collect_rollout_batch
+from megatron_grpo.trainer.setup import Run, build_run, old_logprobs_needed
+from megatron_grpo.trainer.train_step import compute_logprobs, train_on_mini_batch
+from megatron_grpo.trainer.weight_sync import sync_weights
+
+
+def train(cfg: Config) -> Path:
+    """Runs the recipe; returns the output folder (metrics.jsonl, reward curve)."""
+    run = build_run(cfg)
+    out = Path(cfg.logging.output_dir)
+    logger = (MetricsLogger(SinkOptions(output_dir=str(out), console=cfg.logging.console,
+                                        tensorboard=cfg.logging.tensorboard,
+                                        wandb_project=cfg.logging.project if cfg.logging.wandb else None,
+                                        wandb_run_name=cfg.logging.experiment_name),
+                            total_steps=run.total_steps)
+              if run.is_main else NullLogger())
+    try:
+        if cfg.eval.before_train:
+            logger.log(0, evaluate_policy(run))
+        for step in range(1, run.total_steps + 1):
+            metrics = grpo_step(run, step)
+            if cfg.eval.interval > 0 and (step % cfg.eval.interval == 0 or step == run.total_steps):
+                metrics.update(evaluate_policy(run))
+            logger.log(step, metrics)
+    finally:
+        logger.close()
+        run.close()
+    if run.is_main and cfg.logging.plot:
+        plot_reward_curve(out / "metrics.jsonl", out / "reward_curve.png")
+    return out
+
+
+def grpo_step(run: Run, step: int) -> dict[str, float]:
+    cfg = run.config
+    timer = PhaseTimer()
+    step_start = time.perf_counter()
+
+    # 1. rollout + rewards + advantages on rank 0; every rank gets the batch.
+    with timer("rollout"):
+        batch = None
+        if run.is_main:
+            batch = collect_rollout_batch(run.engine, lambda: next(run.sampler), run.tokenizer, run.rewards,
+                                          rollout_settings(cfg), step, cfg.data.train_batch_size)
+        batch = broadcast_batch(batch)
+    metrics = dict(batch.metrics)
+
+    # 2. this data-parallel rank's share, as micro-batches per mini-batch.
+    mini_batches = plan_micro_batches(batch.samples, cfg, run.model_config)
+
+    # 3. old / reference log-probs (forward only, same micro-batches as the update).
+    with timer("logprob"):
+        if old_logprobs_needed(cfg):
+            _fill_logprobs(run, run.policy, mini_batches, "old_logprobs")
+        if run.reference is not None:
+            _fill_logprobs(run, run.reference, mini_batches, "ref_logprobs")
+
+    # 4. ppo_epochs x mini-batch updates.
+    loss_config = grpo_loss_config(cfg)
+    with timer("train"):
+        updates = []
+        for _ in range(cfg.actor.ppo_epochs):
+            for micro_batches in mini_batches:
+                updates.append(train_on_mini_batch(
+                    run.policy, run.optimizer, micro_batches, loss_config=loss_config,
+                    batch_info=global_batch_info(micro_batches, cfg),
+                    temperature=cfg.rollout.temperature, vocab_size=run.model_config.vocab_size,
+                    device=run.device, need_entropy=True))
+        run.scheduler.step(1)
+    metrics.update(_mean_over_updates(updates))
+    metrics["invariant/ratio_dev_first_minibatch"] = updates[0]["actor/ratio_max_abs_dev"]
+    if step == 1 and "actor/kl" in updates[0]:
+        metrics["invariant/kl_at_step1"] = updates[0]["actor/kl"]
+    metrics["actor/lr"] = run.optimizer.param_groups[0]["lr"]
+
+    # 5. new weights to the rollout engine.
+    with timer("sync"):
+        sync_weights(run, version=step)
+
+    metrics.update(timer.seconds)
+    metrics["time/step"] = time.perf_counter() - step_start
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
+    metrics["perf/tokens_per_s"] = tokens / metrics["time/step"]
+    return metrics
+
+
+def rollout_settings(cfg: Config) -> RolloutSettings:
+    r = cfg.rollout
+    sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens or cfg.data.max_response_length,
+                              stop=tuple(r.stop), stop_token_ids=tuple(r.stop_token_ids), seed=cfg.trainer.seed)
+    return RolloutSettings(n=r.n, sampling=sampling, adv_estimator=cfg.algorithm.adv_estimator,
+                           advantage_config=AdvantageConfig(norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo),
+                           filter_groups=cfg.algorithm.filter_groups.enable,
+                           max_generation_rounds=cfg.algorithm.filter_groups.max_num_gen_batches)
+
+
+def grpo_loss_config(cfg: Config) -> GRPOLossConfig:
+    a = cfg.actor
+    return GRPOLossConfig(
+        policy_loss=a.policy_loss.loss_mode,
+        policy_loss_config=PolicyLossConfig(clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+                              clip_ratio_c=a.clip_ratio_c, tis_cap=a.tis_cap),
+        loss_agg_mode=a.loss_agg_mode, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+        kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff)
+
+
+def global_batch_info(micro_batches: list[MicroBatch], cfg: Config) -> GlobalBatchInfo:
+    """Mini-batch denominators over all DP ranks; megatron divides a 2-tuple loss by
+    num_microbatches / cp, which backward_scale undoes (see algo/aggregation.py)."""
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_world_size()
+    return GlobalBatchInfo.from_masks(
+        [mb.loss_mask for mb in micro_batches], dp_size=dp,
+        process_group=ps.get_data_parallel_group() if dp > 1 else None,
+        loss_scale_factor=cfg.actor.loss_scale_factor or cfg.data.max_response_length,
+        framework_loss_divisor=len(micro_batches))
+
+
+def _fill_logprobs(run: Run, model_chunks, mini_batches: list[list[MicroBatch]], name: str) -> None:
+    for micro_batches in mini_batches:
+        logprobs = compute_logprobs(model_chunks, micro_batches, temperature=run.config.rollout.temperature,
+                                    vocab_size=run.model_config.vocab_size, device=run.device)
+        if logprobs is not None:  # last pipeline stage: the loss is computed there
+            for micro_batch, values in zip(micro_batches, logprobs):
+                micro_batch.per_token[name] = values
+
+
+def _mean_over_updates(updates: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for u in updates for k in u}
+    out = {k: sum(u[k] for u in updates if k in u) / sum(1 for u in updates if k in u) for k in keys}
+    out["actor/updates_skipped"] = sum(u["actor/update_skipped"] for u in updates)
+    out.pop("actor/update_skipped", None)
+    return out
+
+
+def evaluate_policy(run: Run) -> dict[str, float]:
+    from megatron_grpo.trainer.evaluate import evaluate
+
+    result = evaluate(run) if run.is_main else {}
+    holder = [result]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+class PhaseTimer:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"time/{phase}"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start

@@ -1,0 +1,136 @@
+"""Metric sinks: metrics.jsonl (always), a console progress bar, TensorBoard and W&B when enabled.
+
+Only the rank that owns the logger (global rank 0) writes; other ranks get a `NullLogger`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_grpo.optional import require
+
+# What the progress bar shows, in order (short label -> metric key).
+PROGRESS_FIGURES = {
+    "reward": "reward/mean",
+    "kl": "actor/kl",
+    "clip": "actor/pg_clipfrac",
+    "len": "response/length_mean",
+    "tok/s": "perf/tokens_per_s",
+}
+
+
+@dataclass
+class SinkOptions:
+    output_dir: str
+    console: bool = True
+    tensorboard: bool = False
+    wandb_project: str | None = None
+    wandb_run_name: str | None = None
+    run_config: dict | None = None  # stored with W&B runs; secrets must be removed by the caller
+
+
+class MetricsLogger:
+    def __init__(self, options: SinkOptions, total_steps: int, start_step: int = 0):
+        self.output_dir = Path(options.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.output_dir / "metrics.jsonl"
+        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        self._bar = None
+        if options.console:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step", dynamic_ncols=True)
+        self._tensorboard = None
+        if options.tensorboard:
+            tb = require("torch.utils.tensorboard", "logging.tensorboard=true")
+            self._tensorboard = tb.SummaryWriter(str(self.output_dir / "tensorboard"))
+        self._wandb = None
+        if options.wandb_project:
+            wandb = require("wandb", "logging.wandb_project")
+            self._wandb = wandb.init(project=options.wandb_project, name=options.wandb_run_name,
+                                     config=options.run_config, dir=str(self.output_dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._bar is not None:
+            shown = {label: metrics[key] for label, key in PROGRESS_FIGURES.items() if key in metrics}
+            self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+            self._bar.update(1)
+        if self._tensorboard is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tensorboard.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+
+    def message(self, text: str) -> None:
+        """A line printed above the progress bar (eval results, checkpoint notices)."""
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        self._jsonl.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+class NullLogger:
+    """Stands in for MetricsLogger on ranks that do not write."""
+
+    def log(self, step, metrics):
+        pass
+
+    def message(self, text):
+        pass
+
+    def close(self):
+        pass
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/Inf
+    return value
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def plot_reward_curve(jsonl_path: str | os.PathLike, png_path: str | os.PathLike) -> Path:
+    """Writes reward (mean, and eval pass@1 when logged) per step as a PNG beside metrics.jsonl."""
+    matplotlib = require("matplotlib", "the reward-curve plot")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(jsonl_path)
+    steps = [r["step"] for r in records if "reward/mean" in r]
+    rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot(steps, rewards, label="train reward (mean)")
+    evals = [(r["step"], r["eval/pass@1"]) for r in records if "eval/pass@1" in r]
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval pass@1")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+    return Path(png_path)

@@ -1,0 +1,151 @@
+"""One pass of megatron's forward_backward_func over micro-batches: the GRPO update, or a
+forward-only log-prob pass (old / reference log-probs).
+
+Log-probs come from the last pipeline stage's TP-sharded logits through ops.vocab_parallel, so the
+full vocabulary is never gathered. Loss scaling (global denominators) is documented in
+algo/aggregation.py: each micro-batch back-propagates its share of the mini-batch loss times
+GlobalBatchInfo.backward_scale, which cancels both DDP's gradient averaging and megatron's
+division of a 2-tuple loss by num_microbatches / cp_size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.algo import GlobalBatchInfo, GRPOLossConfig, compute_grpo_loss
+from megatron_grpo.ops.vocab_parallel import vocab_parallel_logprobs_and_entropy
+from megatron_grpo.trainer.batching import MicroBatch
+
+# Metrics reduced with MAX instead of SUM over micro-batches and ranks.
+MAX_METRICS = ("actor/ratio_max_abs_dev", "actor/logprob_abs_diff_max")
+
+
+@dataclass(frozen=True)
+class StepGeometry:
+    """What megatron's schedule needs to know about the micro-batches of one call."""
+
+    seq_length: int
+    micro_batch_size: int
+
+
+def _geometry(micro_batches: list[MicroBatch]) -> StepGeometry:
+    # Micro-batches may differ in shape; megatron only uses these for PP p2p buffer shapes, so
+    # PP runs pad every micro-batch to one shape (see pad_micro_batches_to_common_shape).
+    first = micro_batches[0]
+    return StepGeometry(seq_length=first.tokens.shape[1], micro_batch_size=first.tokens.shape[0])
+
+
+def _forward_step(loss_func, data_iterator, model):
+    micro_batch: MicroBatch = next(data_iterator)
+    output = model(micro_batch.tokens, micro_batch.position_ids, None)
+    return output, partial(loss_func, micro_batch)
+
+
+def _to_device(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:
+    if device.type == "cpu":
+        return micro_batch
+    return MicroBatch(tokens=micro_batch.tokens.to(device), position_ids=micro_batch.position_ids.to(device),
+                      targets=micro_batch.targets.to(device), loss_mask=micro_batch.loss_mask.to(device),
+                      advantages=micro_batch.advantages.to(device),
+                      per_token={k: v.to(device) for k, v in micro_batch.per_token.items()},
+                      sample_indices=micro_batch.sample_indices)
+
+
+def _run_schedule(model_chunks, micro_batches: list[MicroBatch], loss_func, forward_only: bool, device):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    micro_batches = [_to_device(mb, device) for mb in micro_batches]
+    geometry = _geometry(micro_batches)
+    forward_backward = get_forward_backward_func()
+    return forward_backward(
+        forward_step_func=partial(_forward_step, loss_func),
+        data_iterator=iter(micro_batches),
+        model=model_chunks,
+        num_microbatches=len(micro_batches),
+        seq_length=geometry.seq_length,
+        micro_batch_size=geometry.micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+def compute_logprobs(model_chunks, micro_batches: list[MicroBatch], *, temperature: float, vocab_size: int,
+                     device: torch.device) -> list[torch.Tensor] | None:
+    """Forward-only pass; returns per-position log-probs [b, s] per micro-batch (0 outside the
+    loss mask) on the last pipeline stage, None on other stages."""
+    from megatron.core import parallel_state
+
+    def loss_func(micro_batch: MicroBatch, logits: torch.Tensor):
+        logp = vocab_parallel_logprobs_and_entropy(logits, micro_batch.targets, temperature=temperature,
+                                                   vocab_size=vocab_size, ignore_mask=~micro_batch.loss_mask)[0]
+        return torch.zeros((), device=logits.device), {"logprobs": logp.detach().cpu()}
+
+    with torch.no_grad():
+        outputs = _run_schedule(model_chunks, micro_batches, loss_func, forward_only=True, device=device)
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return [out["logprobs"] for out in outputs]
+
+
+def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch], *, loss_config: GRPOLossConfig,
+                        batch_info: GlobalBatchInfo, temperature: float, vocab_size: int,
+                        device: torch.device, need_entropy: bool) -> dict[str, float]:
+    """forward_backward over this rank's micro-batches, then one optimizer step.
+
+    Returns mini-batch metrics (identical on every rank): loss terms and actor metrics summed over
+    micro-batches and ranks (they are additive shares), grad norm, and whether the update was
+    skipped because of a non-finite gradient."""
+    from megatron.core import parallel_state
+
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+
+    def loss_func(micro_batch: MicroBatch, logits: torch.Tensor):
+        mask = micro_batch.loss_mask
+        logp, entropy = vocab_parallel_logprobs_and_entropy(logits, micro_batch.targets, temperature=temperature,
+                                                            vocab_size=vocab_size, ignore_mask=~mask)
+        # One on-policy update per rollout: old == current (detached), so the ratio is exactly 1.
+        old = micro_batch.per_token.get("old_logprobs", logp.detach())
+        output = compute_grpo_loss(
+            logp, old, micro_batch.advantages, mask, batch_info, loss_config,
+            ref_log_prob=micro_batch.per_token.get("ref_logprobs"),
+            entropy=entropy if need_entropy else None,
+            rollout_log_prob=micro_batch.per_token.get("rollout_logprobs") if loss_config.policy_loss_config.tis_cap else None)
+        metrics = {"actor/loss": output.share, **output.metrics}
+        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        metrics["actor/ratio_max_abs_dev"] = torch.where(mask, (logp.detach() - old).exp() - 1, zero).abs().max()
+        if "rollout_logprobs" in micro_batch.per_token:
+            diff = torch.where(mask, logp.detach() - micro_batch.per_token["rollout_logprobs"], zero).abs()
+            metrics["actor/logprob_abs_diff_mean"] = diff.sum() / max(batch_info.num_valid_tokens, 1)
+            metrics["actor/logprob_abs_diff_max"] = diff.max()
+        return output.loss, {k: v.detach().float().cpu() for k, v in metrics.items()}
+
+    outputs = _run_schedule(model_chunks, micro_batches, loss_func, forward_only=False, device=device)
+    update_ok, grad_norm, _ = optimizer.step()
+    metrics = _reduce_metrics(outputs if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else [])
+    metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    metrics["actor/update_skipped"] = 0.0 if update_ok else 1.0
+    return metrics
+
+
+def _reduce_metrics(outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Sums additive shares (max for MAX_METRICS) over micro-batches, then over the ranks that
+    hold distinct data: last-stage ranks with TP rank 0 (TP ranks compute identical values)."""
+    from megatron.core import parallel_state
+
+    local: dict[str, float] = {}
+    for output in outputs:
+        for key, value in output.items():
+            value = float(value)
+            local[key] = max(local.get(key, value), value) if key in MAX_METRICS else local.get(key, 0.0) + value
+    contributes = bool(outputs) and parallel_state.get_tensor_model_parallel_rank() == 0
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local if contributes else {})
+    total: dict[str, float] = {}
+    for part in gathered:
+        for key, value in part.items():
+            total[key] = max(total.get(key, value), value) if key in MAX_METRICS else total.get(key, 0.0) + value
+    return total
