@@ -122,7 +122,7 @@ def grpo_loss_config(cfg: Config) -> GRPOLossConfig:
         policy_loss=a.policy_loss.loss_mode,
         policy_loss_config=PolicyLossConfig(clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
                               clip_ratio_c=a.clip_ratio_c, tis_cap=a.tis_cap),
-        loss_agg_mode=a.loss_agg_mode, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+        loss_agg_mode=a.loss_agg_mode, use_kl_loss=a.use_kl_loss and a.kl_loss_coef != 0, kl_loss_coef=a.kl_loss_coef,
         kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff)
 
 

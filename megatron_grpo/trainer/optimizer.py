@@ -58,6 +58,14 @@ def build_optimizer(model_chunks: list[torch.nn.Module], settings: OptimizerSett
         use_distributed_optimizer=settings.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, model_chunks)
+    # The schedule calls these after the last micro-batch: finalize_model_grads does the DP
+    # all-reduce / reduce-scatter, the tied-embedding grad all-reduce across pipeline stages and
+    # the TP all-reduce of sequence-parallel norm grads. Without it none of them happen.
+    from megatron.core.distributed import finalize_model_grads
+
+    for chunk in model_chunks:
+        chunk.config.finalize_model_grads_func = finalize_model_grads
+        chunk.config.grad_scale_func = optimizer.scale_loss
     decay_style = {"constant": "constant", "cosine": "cosine"}[settings.scheduler]
     decay_steps = max(settings.total_steps, settings.warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
