@@ -9,7 +9,6 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_grpo", "megatron_grpo.*"]),
-    package_data={"megatron_grpo": ["recipes/*.yaml"]},
     install_requires=[
         # torch is not pinned here: clusters bring their own CUDA build; install it first.
         "torch>=2.6",

@@ -87,8 +87,9 @@ def test_reference_model_only_when_kl_term_is_on(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [("tensor=2", "pipeline=2"), ("tensor=2", "pipeline=1")],
-                         ids=["tp2-pp2", "tp2-dp2"])
+@pytest.mark.parametrize("layout", [("tensor=2", "pipeline=2"), ("tensor=2", "pipeline=1"),
+                                    ("context=2", "tensor=2"), ("context=2",)],
+                         ids=["tp2-pp2", "tp2-dp2", "cp2-tp2", "cp2-dp2"])
 def test_parallel_layouts_match_single_process(tmp_path, layout):
     # One update per step: a second update would compare Adam steps, and Adam's first step turns
     # fp32 noise on near-zero gradients into full-size updates (sign(g) * lr).

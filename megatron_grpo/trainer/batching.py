@@ -39,6 +39,9 @@ class MicroBatch:
     advantages: torch.Tensor      # [b, s] float
     per_token: dict[str, torch.Tensor] = field(default_factory=dict)  # old/ref/rollout log-probs [b, s]
     sample_indices: list[int] = field(default_factory=list)           # rows -> index in the batch
+    # Response tokens per row of the whole sequence: under context parallelism a rank holds only
+    # part of each row, but seq-mean modes and the global token count need the full counts.
+    row_token_counts: torch.Tensor | None = None                      # [b] long
 
     @property
     def num_tokens(self) -> int:
@@ -100,7 +103,8 @@ def collate(samples: list[TrainSample], indices: list[int], pad_to_multiple: int
     targets[:, :-1] = tokens[:, 1:]
     position_ids = torch.arange(seq_len).unsqueeze(0).expand(batch, seq_len).contiguous()
     return MicroBatch(tokens=tokens, position_ids=position_ids, targets=targets, loss_mask=loss_mask,
-                      advantages=advantages, per_token=per_token, sample_indices=list(indices))
+                      advantages=advantages, per_token=per_token, sample_indices=list(indices),
+                      row_token_counts=loss_mask.sum(-1))
 
 
 def response_values(micro_batch: MicroBatch, per_position: torch.Tensor) -> list[list[float]]:

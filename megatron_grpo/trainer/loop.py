@@ -18,10 +18,12 @@ from megatron_grpo.algo import AdvantageConfig, GlobalBatchInfo, GRPOLossConfig,
 from megatron_grpo.config.schema import Config
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.trainer.batching import MicroBatch
+from megatron_grpo.trainer.checkpoint import Checkpointer
 from megatron_grpo.trainer.metrics import MetricsLogger, NullLogger, SinkOptions, plot_reward_curve
 from megatron_grpo.trainer.micro_batches import plan_micro_batches
 from megatron_grpo.trainer.rollout_phase import RolloutSettings, broadcast_batch, collect_rollout_batch
 from megatron_grpo.trainer.setup import Run, build_run, old_logprobs_needed
+from megatron_grpo.trainer.signals import StopSignals
 from megatron_grpo.trainer.train_step import compute_logprobs, train_on_mini_batch
 from megatron_grpo.trainer.weight_sync import sync_weights
 
@@ -30,21 +32,31 @@ def train(cfg: Config) -> Path:
     """Runs the recipe; returns the output folder (metrics.jsonl, reward curve)."""
     run = build_run(cfg)
     out = Path(cfg.logging.output_dir)
-    logger = (MetricsLogger(SinkOptions(output_dir=str(out), console=cfg.logging.console,
-                                        tensorboard=cfg.logging.tensorboard,
-                                        wandb_project=cfg.logging.project if cfg.logging.wandb else None,
-                                        wandb_run_name=cfg.logging.experiment_name),
-                            total_steps=run.total_steps)
-              if run.is_main else NullLogger())
+    checkpoints, stop = Checkpointer(run), StopSignals().install()
+    logger = NullLogger()
     try:
-        if cfg.eval.before_train:
+        start = checkpoints.resume()  # newest complete checkpoint (checkpoint.resume); 0 = fresh
+        if run.is_main:
+            logger = MetricsLogger(SinkOptions(output_dir=str(out), console=cfg.logging.console,
+                                               tensorboard=cfg.logging.tensorboard,
+                                               wandb_project=cfg.logging.project if cfg.logging.wandb else None,
+                                               wandb_run_name=cfg.logging.experiment_name),
+                                   total_steps=run.total_steps, start_step=start)
+        if cfg.eval.before_train and start == 0:
             logger.log(0, evaluate_policy(run))
-        for step in range(1, run.total_steps + 1):
+        for step in range(start + 1, run.total_steps + 1):
             metrics = grpo_step(run, step)
             if cfg.eval.interval > 0 and (step % cfg.eval.interval == 0 or step == run.total_steps):
                 metrics.update(evaluate_policy(run))
             logger.log(step, metrics)
+            stopping = stop.requested()  # SIGTERM / SIGUSR1 on any rank; every rank agrees
+            if checkpoints.due(step) or stopping:
+                checkpoints.save(step)
+            if stopping:
+                logger.message(f"stopped by {stop.name} after step {step}; checkpoint {checkpoints.last_saved}")
+                break
     finally:
+        stop.uninstall()
         logger.close()
         run.close()
     if run.is_main and cfg.logging.plot:
@@ -127,16 +139,20 @@ def grpo_loss_config(cfg: Config) -> GRPOLossConfig:
 
 
 def global_batch_info(micro_batches: list[MicroBatch], cfg: Config) -> GlobalBatchInfo:
-    """Mini-batch denominators over all DP ranks; megatron divides a 2-tuple loss by
-    num_microbatches / cp, which backward_scale undoes (see algo/aggregation.py)."""
+    """Mini-batch denominators over all DP ranks, from full-row token counts (so context-parallel
+    ranks, which hold parts of rows, agree). DDP averages gradients over DP x CP, and megatron
+    divides a 2-tuple loss by num_microbatches / cp; backward_scale undoes both
+    (algo/aggregation.py)."""
     from megatron.core import parallel_state as ps
 
-    dp = ps.get_data_parallel_world_size()
-    return GlobalBatchInfo.from_masks(
-        [mb.loss_mask for mb in micro_batches], dp_size=dp,
-        process_group=ps.get_data_parallel_group() if dp > 1 else None,
-        loss_scale_factor=cfg.actor.loss_scale_factor or cfg.data.max_response_length,
-        framework_loss_divisor=len(micro_batches))
+    counts = torch.cat([mb.row_token_counts for mb in micro_batches])
+    totals = torch.tensor([int(counts.sum()), int((counts > 0).sum())], dtype=torch.int64)
+    dp, cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
+    if dp > 1:
+        dist.all_reduce(totals, group=ps.get_data_parallel_group())
+    return GlobalBatchInfo(num_valid_tokens=int(totals[0]), num_sequences=int(totals[1]), dp_size=dp * cp,
+                           loss_scale_factor=cfg.actor.loss_scale_factor or cfg.data.max_response_length,
+                           framework_loss_divisor=len(micro_batches) / cp)
 
 
 def _fill_logprobs(run: Run, model_chunks, mini_batches: list[list[MicroBatch]], name: str) -> None:

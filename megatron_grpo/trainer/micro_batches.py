@@ -31,7 +31,10 @@ def plan_micro_batches(samples: list[TrainSample], cfg: Config, model_config=Non
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     mini_size = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
     lengths = [s.length for s in samples]
+    cp_size = ps.get_context_parallel_world_size()
+    # Sequence parallel splits the sequence over TP ranks; context parallel into 2*CP chunks.
     pad_multiple = ps.get_tensor_model_parallel_world_size() if cfg.parallel.sequence_parallel else 1
+    pad_multiple *= 2 * cp_size if cp_size > 1 else 1
     plan = []
     for start in range(0, len(samples), mini_size):
         mini = list(range(start, min(start + mini_size, len(samples))))
@@ -47,8 +50,21 @@ def plan_micro_batches(samples: list[TrainSample], cfg: Config, model_config=Non
         micro_batches = [collate(samples, group, pad_to_multiple=pad_multiple) for group in groups]
         if ps.get_pipeline_model_parallel_world_size() > 1:
             micro_batches = pad_to_common_shape(micro_batches)
+        if cp_size > 1:
+            micro_batches = [split_for_context_parallel_rank(mb) for mb in micro_batches]
         plan.append(micro_batches)
     return plan
+
+
+def split_for_context_parallel_rank(mb: MicroBatch) -> MicroBatch:
+    """This CP rank's positions of every [b, s] tensor (megatron's load-balanced chunk order);
+    row_token_counts keep the full-row counts."""
+    from megatron_grpo.ops.context_parallel import split_for_context_parallel as split
+
+    return MicroBatch(tokens=split(mb.tokens), position_ids=split(mb.position_ids), targets=split(mb.targets),
+                      loss_mask=split(mb.loss_mask), advantages=split(mb.advantages),
+                      per_token={k: split(v) for k, v in mb.per_token.items()}, sample_indices=mb.sample_indices,
+                      row_token_counts=mb.row_token_counts)
 
 
 def pad_to_common_shape(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
@@ -67,4 +83,6 @@ def _pad(mb: MicroBatch, rows: int, cols: int) -> MicroBatch:
     positions = torch.arange(cols).unsqueeze(0).expand(rows, cols).contiguous()
     return MicroBatch(tokens=grow(mb.tokens), position_ids=positions, targets=grow(mb.targets),
                       loss_mask=grow(mb.loss_mask), advantages=grow(mb.advantages),
-                      per_token={k: grow(v) for k, v in mb.per_token.items()}, sample_indices=mb.sample_indices)
+                      per_token={k: grow(v) for k, v in mb.per_token.items()}, sample_indices=mb.sample_indices,
+                      row_token_counts=torch.cat([mb.row_token_counts,
+                                                  torch.zeros(rows - mb.tokens.shape[0], dtype=torch.long)]))

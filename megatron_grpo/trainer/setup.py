@@ -82,6 +82,7 @@ def build_run(cfg: Config) -> Run:
     from megatron_grpo.launch import ParallelLayout, init_distributed, initialize_model_parallel
     from megatron_grpo.models import ModelConfig, build_model, build_reference_model
     from megatron_grpo.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
+    from megatron_grpo.trainer.signals import NonFiniteUpdateGuard
 
     init_distributed()
     layout = ParallelLayout(tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
@@ -107,6 +108,8 @@ def build_run(cfg: Config) -> Run:
         eps=optim.eps, grad_clip=cfg.actor.grad_clip or 0.0, warmup_steps=optim.lr_warmup_steps,
         scheduler=optim.lr_scheduler, total_steps=total_steps,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer, bf16=dtype == torch.bfloat16))
+    # Skips updates whose gradient norm is NaN / Inf; stops after max_consecutive_nan_steps in a row.
+    optimizer = NonFiniteUpdateGuard(optimizer, limit=cfg.trainer.max_consecutive_nan_steps)
 
     reference = None
     if kl_reference_needed(cfg):

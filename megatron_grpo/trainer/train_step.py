@@ -51,7 +51,8 @@ def _to_device(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:
                       targets=micro_batch.targets.to(device), loss_mask=micro_batch.loss_mask.to(device),
                       advantages=micro_batch.advantages.to(device),
                       per_token={k: v.to(device) for k, v in micro_batch.per_token.items()},
-                      sample_indices=micro_batch.sample_indices)
+                      sample_indices=micro_batch.sample_indices,
+                      row_token_counts=micro_batch.row_token_counts.to(device))
 
 
 def _run_schedule(model_chunks, micro_batches: list[MicroBatch], loss_func, forward_only: bool, device):
@@ -113,7 +114,8 @@ def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch]
             logp, old, micro_batch.advantages, mask, batch_info, loss_config,
             ref_log_prob=micro_batch.per_token.get("ref_logprobs"),
             entropy=entropy if need_entropy else None,
-            rollout_log_prob=micro_batch.per_token.get("rollout_logprobs") if loss_config.policy_loss_config.tis_cap else None)
+            rollout_log_prob=micro_batch.per_token.get("rollout_logprobs") if loss_config.policy_loss_config.tis_cap else None,
+            seq_token_counts=micro_batch.row_token_counts)
         metrics = {"actor/loss": output.share, **output.metrics}
         zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
         metrics["actor/ratio_max_abs_dev"] = torch.where(mask, (logp.detach() - old).exp() - 1, zero).abs().max()

@@ -1,0 +1,508 @@
+"""Training checkpoints: save every K steps / on a stop signal, resume from the newest complete one.
+
+Layout of one checkpoint (all of it is written under <save_dir>/.tmp-step_N, then renamed):
+
+    <save_dir>/step_N/
+      model_optim/          megatron dist_checkpointing (torch_dist): model chunks + optimizer
+                            (distributed optimizer as 'dp_reshardable': loads at another DP size;
+                            the model part loads at any TP/PP megatron can reshard to)
+      trainer_state.json    step, LR scheduler, sampler position, engine weight version, skip counters
+      rng/tp{t}-pp{p}-cp{c}-dp{d}.pt   python / numpy / torch / megatron-tracker RNG states of that rank
+      config.yaml           the resolved config of the run that wrote it
+      complete.json         written last: the step and the size of every file above
+    <save_dir>/latest       "step_N", replaced atomically (write a temp file, os.replace)
+
+Crash safety: a crash before the rename leaves only a .tmp-step_N folder, which is never loaded
+(and removed by the next save); a crash after it leaves a complete step_N. Resume (auto) takes the
+newest step_N whose complete.json is valid and whose files all have the recorded sizes; any other
+is skipped with a warning that names it, and a checkpoint that megatron then fails to read is
+skipped the same way. Old checkpoints (keep_last) are renamed to .trash-step_N before deletion.
+
+Security: nothing here unpickles arbitrary objects. Our files are JSON, YAML and torch.load(...,
+weights_only=True); megatron's torch_dist files are read with torch's DCP, whose byte-object
+reader (torch.load(weights_only=False)) is switched to weights_only=True while we load.
+
+Every function here is a collective over all ranks unless it says otherwise.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MODEL_OPTIM_DIR = "model_optim"
+TRAINER_STATE = "trainer_state.json"
+CONFIG_FILE = "config.yaml"
+COMPLETE_MARKER = "complete.json"
+LATEST_FILE = "latest"
+RNG_DIR = "rng"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+# ----------------------------------------------------------------------------- small helpers
+
+
+def checkpoint_root(cfg) -> Path:
+    return Path(cfg.checkpoint.save_dir or Path(cfg.logging.output_dir) / "checkpoints")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step}"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Writes and fsyncs one file (a separate function so tests can make it fail)."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replaces `path` atomically: a reader sees the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    _write_file(tmp, data)
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+def _rank_coordinates() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+            "cp": ps.get_context_parallel_rank(), "dp": ps.get_data_parallel_rank()}
+
+
+def _rng_file(coords: dict[str, int]) -> str:
+    return f"tp{coords['tp']}-pp{coords['pp']}-cp{coords['cp']}-dp{coords['dp']}.pt"
+
+
+def _agree(ok: bool, message: str) -> None:
+    """Raises CheckpointError on every rank when any rank failed (with the first failing rank's
+    message), so no rank is left waiting in a collective."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, None if ok else message)
+    failures = [(rank, m) for rank, m in enumerate(gathered) if m is not None]
+    if failures:
+        rank, first = failures[0]
+        raise CheckpointError(first if dist.get_world_size() == 1 else f"rank {rank}: {first}")
+
+
+def _broadcast(value: Any) -> Any:
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+# ----------------------------------------------------------------------------- state pieces
+
+
+def _sharded_state_dict(run, *, is_loading: bool) -> dict:
+    from megatron_grpo.launch.mcore_compat import optimizer_sharded_state_dict
+    from megatron_grpo.models.builder import unwrap
+
+    chunks = [unwrap(c) for c in run.policy]
+    if len(chunks) == 1:
+        state = {"model": chunks[0].sharded_state_dict()}
+    else:  # megatron-LM's key names for virtual pipeline chunks
+        state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    model_keys = list(state)
+    state["optimizer"] = optimizer_sharded_state_dict(_inner_optimizer(run.optimizer), dict(state),
+                                                      is_loading=is_loading)
+    return state, model_keys
+
+
+def _inner_optimizer(optimizer):
+    """The megatron optimizer under our NonFiniteUpdateGuard (signals.py), if any."""
+    return getattr(optimizer, "inner", optimizer)
+
+
+def rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    py_version, py_state, py_gauss = random.getstate()
+    np_state = np.random.get_state()
+    state = {
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]),
+                  float(np_state[4])],
+        "torch": torch.get_rng_state(),
+        "megatron_tracker": {k: v.cpu() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    version, py_state, gauss = state["python"]
+    random.setstate((version, tuple(py_state), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.set_states({k: v.clone() for k, v in state["megatron_tracker"].items()})
+
+
+# ----------------------------------------------------------------------------- finding checkpoints
+
+
+@dataclass(frozen=True)
+class Found:
+    path: Path
+    step: int
+
+
+def validate_checkpoint(path: Path) -> str | None:
+    """Rank-local check of one step folder. Returns why it is not loadable, or None when it is
+    complete: the marker parses, names this step, and every recorded file has its recorded size."""
+    marker = path / COMPLETE_MARKER
+    if not marker.is_file():
+        return f"no {COMPLETE_MARKER} (the save did not finish)"
+    try:
+        info = json.loads(marker.read_text())
+        step, files = int(info["step"]), dict(info["files"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{COMPLETE_MARKER} is unreadable ({type(exc).__name__}: {exc})"
+    match = _STEP_DIR.match(path.name)
+    if match and int(match.group(1)) != step:
+        return f"{COMPLETE_MARKER} says step {step}, the folder name says {match.group(1)}"
+    for rel, size in files.items():
+        target = path / rel
+        if not target.is_file():
+            return f"{rel} is missing"
+        if target.stat().st_size != size:
+            return f"{rel} has {target.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """step_N folders under root, newest first (rank-local)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    return sorted(found, reverse=True)
+
+
+def _candidates(cfg) -> list[Found]:
+    """Rank 0: checkpoints to try, best first, after warning about every one that is skipped."""
+    resume = cfg.checkpoint.resume.strip()
+    if resume == "never":
+        return []
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint.resume={resume}: no such checkpoint folder")
+        problem = validate_checkpoint(path)
+        if problem:
+            raise CheckpointError(f"checkpoint.resume={resume}: not a complete checkpoint: {problem}")
+        return [Found(path, int(json.loads((path / COMPLETE_MARKER).read_text())["step"]))]
+    root = checkpoint_root(cfg)
+    if root.is_dir():
+        for leftover in sorted(p for p in root.iterdir() if p.name.startswith((".tmp-", ".trash-"))):
+            log.warning("checkpoint: ignoring %s (an interrupted save or deletion; removed at the next save)", leftover)
+    out = []
+    for step, path in list_checkpoints(root):
+        problem = validate_checkpoint(path)
+        if problem:
+            log.warning("checkpoint: skipping %s: %s", path, problem)
+        else:
+            out.append(Found(path, step))
+    return out
+
+
+# ----------------------------------------------------------------------------- the checkpointer
+
+
+class Checkpointer:
+    """Saves and restores everything a run needs to continue exactly where it stopped."""
+
+    def __init__(self, run):
+        self.run = run
+        self.cfg = run.config
+        self.root = checkpoint_root(self.cfg)
+        self.interval = self.cfg.checkpoint.save_interval
+        self.keep_last = self.cfg.checkpoint.keep_last
+        self.last_saved: Path | None = None
+
+    # ----- saving -------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        """A save is due every save_interval steps and after the last step (when saving is on)."""
+        return self.interval > 0 and (step % self.interval == 0 or step == self.run.total_steps)
+
+    def save(self, step: int) -> Path:
+        """Writes step_N atomically; on any failure every rank raises CheckpointError and the
+        previous checkpoints are untouched."""
+        from megatron.core import dist_checkpointing
+
+        rank = dist.get_rank()
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f".tmp-{step_dir_name(step)}"
+        ok, message = True, ""
+        if rank == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                for leftover in self.root.iterdir():
+                    if leftover.name.startswith((".tmp-", ".trash-")):
+                        shutil.rmtree(leftover, ignore_errors=True)
+                (tmp / RNG_DIR).mkdir(parents=True)
+                (tmp / MODEL_OPTIM_DIR).mkdir()
+            except OSError as exc:
+                ok, message = False, self._failure(step, exc)
+        _agree(ok, message)
+
+        try:
+            state, _ = _sharded_state_dict(self.run, is_loading=False)
+            dist_checkpointing.save(state, str(tmp / MODEL_OPTIM_DIR))
+            coords = _rank_coordinates()
+            buffer = _torch_bytes(rng_state())
+            _write_file(tmp / RNG_DIR / _rng_file(coords), buffer)
+            # each rank makes its own megatron shard files durable; rank 0 the shared ones
+            for shard in (tmp / MODEL_OPTIM_DIR).glob(f"__{rank}_*"):
+                _fsync_path(shard)
+            if rank == 0:
+                _write_file(tmp / TRAINER_STATE, json.dumps(self._trainer_state(step), indent=1).encode())
+                from megatron_grpo.config import to_yaml
+
+                _write_file(tmp / CONFIG_FILE, to_yaml(self.cfg).encode())
+        except Exception as exc:  # noqa: BLE001 - turned into one CheckpointError on every rank
+            ok, message = False, self._failure(step, exc)
+        _agree(ok, message)
+
+        if rank == 0:
+            try:
+                for path in tmp.rglob("*"):
+                    if path.is_file() and not path.name.startswith("__"):
+                        _fsync_path(path)
+                files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+                marker = {"format": FORMAT_VERSION, "step": step, "world_size": dist.get_world_size(),
+                          "files": files}
+                _write_file(tmp / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())
+                for sub in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
+                    _fsync_path(sub)
+                if final.exists():  # e.g. a corrupt step_N that resume skipped
+                    trash = self.root / f".trash-{final.name}"
+                    os.replace(final, trash)
+                    shutil.rmtree(trash, ignore_errors=True)
+                os.replace(tmp, final)
+                _fsync_path(self.root)
+                write_atomic(self.root / LATEST_FILE, (final.name + "\n").encode())
+            except Exception as exc:  # noqa: BLE001
+                ok, message = False, self._failure(step, exc)
+                if not final.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+        _agree(ok, message)
+        if rank == 0:
+            self._prune()
+            log.info("checkpoint: saved %s", final)
+        self.last_saved = final
+        return final
+
+    def _failure(self, step: int, exc: BaseException) -> str:
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.root / f".tmp-{step_dir_name(step)}", ignore_errors=True)
+        previous = [p.name for _, p in list_checkpoints(self.root)]
+        kept = f"the previous checkpoint {self.root / previous[0]} is intact" if previous else "no earlier checkpoint exists"
+        reason = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            reason = f"disk full ({exc})"
+        elif isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+            reason = f"folder not writable ({exc})"
+        return f"saving checkpoint step {step} to {self.root} failed: {reason}; {kept}"
+
+    def _trainer_state(self, step: int) -> dict:
+        run = self.run
+        guard = run.optimizer if hasattr(run.optimizer, "inner") else None
+        return {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "scheduler": run.scheduler.state_dict(),
+            "sampler": run.sampler.state_dict() if run.sampler is not None else None,
+            "engine_weight_version": run.engine.weight_version if run.engine is not None else step,
+            "skipped_updates": guard.state_dict() if guard is not None else None,
+            "layout": {"world_size": dist.get_world_size(), **_layout()},
+        }
+
+    def _prune(self) -> None:
+        if not self.keep_last:
+            return
+        for _, path in list_checkpoints(self.root)[self.keep_last:]:
+            trash = self.root / f".trash-{path.name}"
+            os.replace(path, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    # ----- resuming -----------------------------------------------------------------------------
+    def resume(self) -> int:
+        """Restores the newest complete checkpoint (per checkpoint.resume) and pushes its weights
+        to the rollout engine. Returns the step it ended at (0 when starting fresh)."""
+        candidates = None
+        error = None
+        if dist.get_rank() == 0:
+            try:
+                candidates = _candidates(self.cfg)
+            except CheckpointError as exc:
+                error = str(exc)
+        candidates, error = _broadcast((candidates, error))
+        if error:
+            raise CheckpointError(error)
+        explicit = self.cfg.checkpoint.resume.strip() not in ("auto", "never")
+        for found in candidates:
+            try:
+                step, version = self._load(found)
+            except CheckpointError as exc:
+                if explicit:
+                    raise
+                if dist.get_rank() == 0:
+                    log.warning("checkpoint: skipping %s: %s", found.path, exc)
+                continue
+            from megatron_grpo.trainer.weight_sync import sync_weights
+
+            sync_weights(self.run, version=version)
+            if dist.get_rank() == 0:
+                log.info("checkpoint: resumed from %s (step %d)", found.path, step)
+                _trim_metrics(Path(self.cfg.logging.output_dir) / "metrics.jsonl", step)
+            return step
+        if dist.get_rank() == 0 and self.cfg.checkpoint.resume.strip() == "auto":
+            log.info("checkpoint: no complete checkpoint under %s; starting from step 0", self.root)
+        return 0
+
+    def _load(self, found: Found) -> tuple[int, int]:
+        from megatron.core import dist_checkpointing
+
+        from megatron_grpo.launch.cpu import fix_torch_adam_step_after_load, prepare_torch_adam_for_load
+        from megatron_grpo.models.builder import unwrap
+
+        path = found.path
+        ok, message, trainer_state, rng = True, "", None, None
+        try:
+            trainer_state = json.loads((path / TRAINER_STATE).read_text())
+            rng = self._read_rng(path, trainer_state)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            ok, message = False, f"{type(exc).__name__}: {exc}"
+        _agree(ok, message)
+
+        optimizer = _inner_optimizer(self.run.optimizer)
+        prepare_torch_adam_for_load(optimizer)
+        state, model_keys = _sharded_state_dict(self.run, is_loading=True)
+        try:
+            with _dcp_bytes_weights_only():
+                loaded = dist_checkpointing.load(state, str(path / MODEL_OPTIM_DIR))
+        except Exception as exc:  # noqa: BLE001 - megatron/DCP raise assorted errors for bad shards
+            ok, message = False, f"cannot read {path / MODEL_OPTIM_DIR} ({type(exc).__name__}: {exc})"
+        _agree(ok, message)
+
+        # From here on the live model is modified: failures are fatal, not skippable.
+        for key, chunk in zip(model_keys, self.run.policy):
+            unwrap(chunk).load_state_dict(loaded[key])
+        with torch.no_grad():  # megatron copies into views of leaf parameters
+            optimizer.load_state_dict(loaded["optimizer"])
+        fix_torch_adam_step_after_load(optimizer)
+        self.run.scheduler.load_state_dict(trainer_state["scheduler"])
+        if self.run.sampler is not None and trainer_state.get("sampler") is not None:
+            self.run.sampler.load_state_dict(trainer_state["sampler"])
+        guard = self.run.optimizer if hasattr(self.run.optimizer, "inner") else None
+        if guard is not None and trainer_state.get("skipped_updates"):
+            guard.load_state_dict(trainer_state["skipped_updates"])
+        if rng is not None:
+            set_rng_state(rng)
+        return int(trainer_state["step"]), int(trainer_state.get("engine_weight_version", trainer_state["step"]))
+
+    def _read_rng(self, path: Path, trainer_state: dict) -> dict | None:
+        coords = _rank_coordinates()
+        exact = path / RNG_DIR / _rng_file(coords)
+        if exact.is_file():
+            return torch.load(exact, weights_only=True)
+        # DP size changed: the replicas of one model-parallel rank hold the same model RNG
+        same_model_rank = path / RNG_DIR / _rng_file({**coords, "dp": 0})
+        if same_model_rank.is_file():
+            return torch.load(same_model_rank, weights_only=True)
+        if dist.get_rank() == 0:
+            log.warning("checkpoint: %s has no RNG state for this layout (saved %s, now %s); RNG states start "
+                        "fresh from trainer.seed", path, trainer_state.get("layout"), _layout())
+        return None
+
+
+def _layout() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "cp": ps.get_context_parallel_world_size(), "dp": ps.get_data_parallel_world_size()}
+
+
+def _torch_bytes(obj) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+@contextlib.contextmanager
+def _dcp_bytes_weights_only():
+    """torch DCP loads non-tensor entries with torch.load(weights_only=False); make it safe."""
+    from torch.distributed.checkpoint import default_planner
+
+    original = default_planner.DefaultLoadPlanner.load_bytes
+
+    def load_bytes(self, read_item, value):
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+    default_planner.DefaultLoadPlanner.load_bytes = load_bytes
+    try:
+        yield
+    finally:
+        default_planner.DefaultLoadPlanner.load_bytes = original
+
+
+def _trim_metrics(path: Path, step: int) -> None:
+    """Rank 0: drops metrics.jsonl records after the resumed step (they are logged again)."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            if int(json.loads(line)["step"]) > step:
+                continue
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut by the crash
+        kept.append(line)
+    if len(kept) != len(lines):
+        write_atomic(path, "".join(kept).encode("utf-8"))
