@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -210,3 +212,24 @@ def test_launcher_shutdown_stops_the_processes(servers):
     procs = [p.process for p in launcher.processes]
     assert all(p.poll() is None for p in procs)  # shut down at module teardown; here only checked alive
     assert [p.url for p in launcher.processes] == [servers[k] for k in ("main", "slow", "flaky", "secured")]
+
+
+def test_check_sglang_tool_passes_against_the_fake(servers, model_dir, tmp_path):
+    """tools/check_sglang.py end to end (last: it changes the secured server's weight version)."""
+    log = tmp_path / "check_sglang.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-u", "tools/check_sglang.py", servers["secured"], "--model-path",
+                                    str(model_dir), "--api-key", "s3cret", "--tensor-metadata", "plain",
+                                    "--tolerance", "1e-5", "--verbose"], stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            returncode = process.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            pytest.fail(f"check_sglang.py did not finish in 240 s:\n{log.read_text()}")
+    output = log.read_text()
+    lines = [line for line in output.splitlines() if line.startswith(("PASS ", "FAIL "))]
+    assert returncode == 0, output
+    assert [line.split()[1].rstrip(":") for line in lines] == ["health", "generate", "logprobs", "disk", "distributed",
+                                                               "tensor", "restore"]
+    assert all(line.startswith("PASS") for line in lines)
