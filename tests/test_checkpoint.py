@@ -1,0 +1,221 @@
+"""Checkpoint / resume: exactness (uninterrupted vs stop + resume, DP 2 -> 1), the atomic layout,
+skipping of incomplete / corrupt checkpoints, and weights_only loading."""
+import io
+import json
+import logging
+import os
+import pickle
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_grpo.errors import CheckpointError
+from megatron_grpo.testing.distributed import run_distributed
+
+FAST = ["data.max_response_length=8", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
+        "rollout.n=4", "logging.console=false", "logging.plot=false", "trainer.total_steps=4"]
+TIMING = ("time/", "perf/")
+
+
+def _comparable(record):
+    return {k: v for k, v in record.items() if k != "time" and not k.startswith(TIMING)}
+
+
+def _metrics(out_dir):
+    """metrics.jsonl records by step (a resumed run appends; the last record of a step wins)."""
+    by_step = {}
+    with open(Path(out_dir) / "metrics.jsonl") as handle:
+        for line in handle:
+            record = json.loads(line)
+            by_step[record["step"]] = _comparable(record)
+    return by_step
+
+
+def _train(rank, world_size, overrides, signal_at_step=None, signal_rank=0):
+    """train() in this process; returns the policy and engine weights it ended with. With
+    signal_at_step, SIGUSR1 is sent to this process (on signal_rank) right after that step."""
+    from megatron_grpo.config import load_config, validate
+    from megatron_grpo.models.builder import unwrap
+    from megatron_grpo.trainer import loop
+
+    captured = {}
+    build_run, grpo_step = loop.build_run, loop.grpo_step
+
+    def capture_run(cfg):
+        captured["run"] = build_run(cfg)
+        return captured["run"]
+
+    def step_then_signal(run, step):
+        metrics = grpo_step(run, step)
+        if step == signal_at_step and rank == signal_rank:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return metrics
+
+    loop.build_run, loop.grpo_step = capture_run, step_then_signal
+    cfg = load_config("tiny_cpu", overrides)
+    validate(cfg, world_size=world_size)
+    loop.train(cfg)
+    run = captured["run"]
+    params = {name: p.detach().clone() for name, p in unwrap(run.policy[0]).named_parameters()}
+    engine = ({k: v.detach().clone() for k, v in run.engine.model.state_dict().items()}
+              if run.engine is not None else None)
+    return {"params": params, "engine": engine}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    result = run_distributed(_train, 1, ([*FAST, f"logging.output_dir={out}"],), timeout=300)[0]
+    return {**result, "metrics": _metrics(out)}
+
+
+def test_stop_signal_then_resume_is_bitwise_exact(tmp_path, uninterrupted):
+    args = [*FAST, f"logging.output_dir={tmp_path}"]
+    first = run_distributed(_train, 1, (args, 2), timeout=300)[0]
+    root = tmp_path / "checkpoints"
+    # SIGUSR1 after step 2: a checkpoint, then a clean stop (save_interval is off in the recipe).
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2"]
+    assert (root / "latest").read_text().strip() == "step_2"
+    assert max(_metrics(tmp_path)) == 2
+    assert not torch.equal(first["params"]["embedding.word_embeddings.weight"],
+                           uninterrupted["params"]["embedding.word_embeddings.weight"])
+
+    second = run_distributed(_train, 1, (args,), timeout=300)[0]
+    resumed = _metrics(tmp_path)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        assert resumed[step] == uninterrupted["metrics"][step], step
+    for name, value in uninterrupted["params"].items():
+        assert torch.equal(second["params"][name], value), name
+    # The rollout engine got the restored weights (step 3's rollout matches), and ends identical.
+    for name, value in uninterrupted["engine"].items():
+        assert torch.equal(second["engine"][name], value), name
+    state = json.loads((root / "step_2" / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["sampler"]["batch_in_epoch"] == 2 and state["engine_weight_version"] == 2
+
+
+@pytest.mark.slow
+def test_resume_dp2_to_dp1(tmp_path, uninterrupted):
+    """Saved by 2 data-parallel ranks (the signal reaches rank 1 only: both ranks must agree to
+    stop), resumed by 1: the distributed optimizer's dp_reshardable state carries over."""
+    args = [*FAST, f"logging.output_dir={tmp_path}"]
+    run_distributed(_train, 2, (args, 2, 1), timeout=400)
+    assert (tmp_path / "checkpoints" / "step_2" / "rng" / "tp0-pp0-cp0-dp1.pt").is_file()
+    resumed = run_distributed(_train, 1, (args,), timeout=300)[0]
+    worst = max((resumed["params"][n] - v).abs().max().item() for n, v in uninterrupted["params"].items())
+    assert worst <= 1e-6, f"DP 2 -> 1 resume differs from the uninterrupted run by {worst:.3g}"
+    metrics = _metrics(tmp_path)
+    assert sorted(metrics) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert metrics[step]["reward/mean"] == uninterrupted["metrics"][step]["reward/mean"]
+        assert metrics[step]["actor/loss"] == pytest.approx(uninterrupted["metrics"][step]["actor/loss"],
+                                                            rel=1e-5, abs=1e-7)
+
+
+# ----------------------------------------------------------------------------- layout / skipping
+
+
+def _fake_checkpoint(root: Path, step: int, marker: bool = True) -> Path:
+    from megatron_grpo.trainer.checkpoint import COMPLETE_MARKER
+
+    path = root / f"step_{step}"
+    (path / "model_optim").mkdir(parents=True)
+    (path / "model_optim" / "__0_0.distcp").write_bytes(b"x" * 100)
+    (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+    if marker:
+        files = {"model_optim/__0_0.distcp": 100, "trainer_state.json": len(json.dumps({"step": step}))}
+        (path / COMPLETE_MARKER).write_text(json.dumps({"format": 1, "step": step, "files": files}))
+    return path
+
+
+class _Cfg:
+    def __init__(self, root, resume="auto"):
+        from types import SimpleNamespace
+
+        self.checkpoint = SimpleNamespace(save_dir=str(root), resume=resume)
+        self.logging = SimpleNamespace(output_dir=str(root))
+
+
+def test_auto_resume_skips_incomplete_and_corrupt_with_warnings(tmp_path, caplog):
+    from megatron_grpo.trainer.checkpoint import _candidates
+
+    _fake_checkpoint(tmp_path, 1)
+    _fake_checkpoint(tmp_path, 2)
+    _fake_checkpoint(tmp_path, 3, marker=False)                               # crashed before the marker
+    (_fake_checkpoint(tmp_path, 4) / "model_optim" / "__0_0.distcp").write_bytes(b"x" * 10)  # truncated
+    (_fake_checkpoint(tmp_path, 5) / "complete.json").write_text("{not json")  # corrupt marker
+    (tmp_path / ".tmp-step_6").mkdir()                                         # interrupted save
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.trainer.checkpoint"):
+        found = _candidates(_Cfg(tmp_path))
+    assert [f.step for f in found] == [2, 1]
+    text = caplog.text
+    assert "step_5: complete.json is unreadable" in text
+    assert "step_4: model_optim/__0_0.distcp has 10 bytes, 100 were written" in text
+    assert "step_3: no complete.json (the save did not finish)" in text
+    assert ".tmp-step_6 (an interrupted save" in text
+
+
+def test_explicit_resume_path_must_be_complete(tmp_path):
+    from megatron_grpo.trainer.checkpoint import _candidates
+
+    path = _fake_checkpoint(tmp_path, 3, marker=False)
+    with pytest.raises(CheckpointError, match="step_3: not a complete checkpoint: no complete.json"):
+        _candidates(_Cfg(tmp_path, resume=str(path)))
+    with pytest.raises(CheckpointError, match="no such checkpoint folder"):
+        _candidates(_Cfg(tmp_path, resume=str(tmp_path / "missing")))
+    assert _candidates(_Cfg(tmp_path, resume="never")) == []
+
+
+def test_latest_pointer_is_replaced_atomically(tmp_path):
+    from megatron_grpo.trainer.checkpoint import write_atomic
+
+    write_atomic(tmp_path / "latest", b"step_1\n")
+    write_atomic(tmp_path / "latest", b"step_2\n")
+    assert (tmp_path / "latest").read_text() == "step_2\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]  # no temp file left
+
+
+# ----------------------------------------------------------------------------- security
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_rng_files_load_weights_only(tmp_path):
+    """A checkpoint file carrying an arbitrary pickle is refused, not executed."""
+    bad = tmp_path / "rng.pt"
+    torch.save({"torch": torch.get_rng_state(), "payload": _Evil()}, bad)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        torch.load(bad, weights_only=True)
+
+
+def test_megatron_byte_objects_load_weights_only():
+    """torch DCP unpickles non-tensor entries with weights_only=False; we switch that off."""
+    from torch.distributed.checkpoint import default_planner
+
+    from megatron_grpo.trainer.checkpoint import _dcp_bytes_weights_only
+
+    buffer = io.BytesIO()
+    torch.save(_Evil(), buffer)
+    planner = default_planner.DefaultLoadPlanner()
+    planner.flatten_state_dict = False
+    planner.state_dict = {}
+
+    class Item:
+        class dest_index:
+            fqn = "x"
+
+    with _dcp_bytes_weights_only():
+        buffer.seek(0)
+        with pytest.raises(pickle.UnpicklingError):
+            planner.load_bytes(Item, buffer)
+        buffer = io.BytesIO()
+        torch.save({"step": 3, "groups": [1, 2]}, buffer)
+        buffer.seek(0)
+        planner.load_bytes(Item, buffer)
+    assert planner.state_dict["x"] == {"step": 3, "groups": [1, 2]}
+    assert default_planner.DefaultLoadPlanner.load_bytes.__module__ == "torch.distributed.checkpoint.default_planner"
