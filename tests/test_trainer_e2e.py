@@ -104,3 +104,34 @@ def test_parallel_layouts_match_single_process(tmp_path, layout):
         assert first_parallel[key] == pytest.approx(first_single[key], rel=1e-5, abs=1e-7), key
     assert first_parallel["invariant/ratio_dev_first_minibatch"] == 0.0
     assert first_parallel["invariant/kl_at_step1"] == 0.0
+
+
+def _reward_rise(records, window=5):
+    rewards = [r["reward/mean"] for r in records]
+    return sum(rewards[-window:]) / window - sum(rewards[:window]) / window
+
+
+@pytest.mark.slow
+def test_tiny_recipe_learns(tmp_path):
+    """Fixed seed: the default recipe's mean reward rises by a clear margin within 60 steps
+    (measured: ~0.06 -> ~0.45; the full 150-step run reaches > 0.8)."""
+    records = run_distributed(_train_in_process, 1, ([f"logging.output_dir={tmp_path}", "trainer.total_steps=60",
+                                                      "logging.console=false", "logging.plot=false",
+                                                      "eval.interval=-1"],), timeout=900)[0]
+    assert records[0]["reward/mean"] <= 0.3
+    assert _reward_rise(records) >= 0.2, [round(r["reward/mean"], 3) for r in records]
+
+
+@pytest.mark.slow
+def test_torchrun_tp2_dp2_learns(tmp_path):
+    """The CLI under torchrun with 4 ranks (TP=2 x DP=2) trains the same recipe and learns."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+                           "-m", "megatron_grpo.train", "tiny_cpu", "parallel.tensor=2", "trainer.total_steps=50",
+                           f"logging.output_dir={tmp_path}", "logging.console=false", "logging.plot=false",
+                           "eval.interval=-1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, 51))
+    assert _reward_rise(records) >= 0.15, [round(r["reward/mean"], 3) for r in records]
