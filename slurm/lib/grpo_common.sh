@@ -1,0 +1,419 @@
+# shellcheck shell=bash
+# slurm/lib/grpo_common.sh - the one launcher behind slurm/grpo_*.sh. Sourced, then `grpo_main "$@"`.
+#
+# What a job does (the batch script runs on the allocation's first node):
+#   1. reads the recipe (+ command-line overrides) with the project's own config loader, so
+#      engine type, SGLang TP size / engine count / ports / router and weight-sync mode come from
+#      the recipe; a bad recipe fails here, before any server starts;
+#   2. plans the placement: trainer nodes and tasks, and which node/GPUs/port each SGLang engine
+#      gets (ENGINE_PLACEMENT, below);
+#   3. starts one `srun` step per engine (python -m sglang.launch_server), waits for GET /health
+#      on all of them, then the router (python -m sglang_router.launch_router) on the batch node;
+#   4. starts the trainer with ONE srun TASK PER GPU (python -m megatron_grpo.train RECIPE
+#      logging.output_dir=RUN_DIR rollout.sglang.urls=[...] "$@"), waits for it;
+#   5. on exit, USR1 (`--signal=B:USR1@120`: time limit / preemption notice) or TERM: forwards
+#      the signal to the trainer (which checkpoints and stops), stops every server it started by
+#      pid (TERM, then KILL after SERVER_STOP_GRACE_S), and, with GRPO_RESUBMIT=1, submits the
+#      same script again with the same arguments and run folder (the trainer resumes with
+#      checkpoint.resume=auto).
+#
+# Why one srun task per GPU (and not torchrun per node): every rank is a Slurm task, so Slurm
+# delivers signals to each, reports per-task exit codes and kills the whole step when one rank
+# fails (--kill-on-bad-exit); rank discovery is SLURM_PROCID/SLURM_LOCALID (launch/env.py), the
+# same program runs under mpirun. Each task sees ALL GPUs of its node and picks GPU = local rank:
+# CUDA IPC between trainer and colocated SGLang engines (weight_sync=tensor) and NVLink P2P need
+# the same device numbering in every process, which per-task GPU isolation (--gpus-per-task=1)
+# would break.
+#
+# Environment (all optional; the top-level scripts document the model-specific defaults):
+#   RECIPE               recipe name or file                                   [set by each script]
+#   HF_MODEL             HF model folder -> model.path (trainer) and --model-path (SGLang) [recipe]
+#   TRAIN_FILES / VAL_FILES  comma-separated data files -> data.train_files / data.val_files [recipe]
+#   OUTPUT_ROOT          parent of run folders                    [$SLURM_SUBMIT_DIR/outputs]
+#   GRPO_RUN_DIR         the run folder itself      [$OUTPUT_ROOT/<job name>-<job id>]
+#   GRPO_PYTHON          python with megatron-grpo installed (also for SGLang) [python on PATH]
+#   GPUS_PER_NODE        GPUs per node              [from Slurm: SLURM_GPUS_ON_NODE]
+#   TASKS_PER_NODE       trainer tasks per node     [GPUS_PER_NODE; CPU jobs: SLURM_NTASKS_PER_NODE]
+#   ENGINE_PLACEMENT     auto | colocated | dedicated | none                              [auto]
+#                        auto: none for rollout.engine=local or when rollout.sglang.urls is set,
+#                        colocated for weight_sync=tensor (engines share the trainer GPUs, started
+#                        with --enable-memory-saver), dedicated otherwise (engines on the LAST
+#                        ceil(num_engines*tp_size/GPUS_PER_NODE) nodes, trainer on the others)
+#   SGLANG_MODEL_PATH    model the engines load                         [HF_MODEL / model.path]
+#   SGLANG_MODULE        server module              [sglang.launch_server]
+#   SGLANG_ROUTER_MODULE router module              [sglang_router.launch_router]
+#   SGLANG_EXTRA_ARGS    extra server flags (word-split), after rollout.sglang.extra_args  []
+#   SGLANG_PORT          first port on each node; engine j of a node: +j*SGLANG_PORT_STRIDE
+#                        (SGLang takes a few ports above its own)        [rollout.sglang.port]
+#   SGLANG_PORT_STRIDE   [10]
+#   SGLANG_BIND_HOST     address the servers bind   [the node's name, so other nodes reach them]
+#   SGLANG_STARTUP_TIMEOUT_S  health wait           [rollout.sglang.startup_timeout_s]
+#   ENGINE_CPUS          CPUs of each engine step   [SLURM_CPUS_ON_NODE / engines per node, >= 1]
+#   GRPO_NET_IFNAME      NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (e.g. ib0, eth0)
+#                        [the interface that routes to the first trainer node]
+#   GRPO_RESUBMIT        1: resubmit after a USR1/TERM stop [0];  GRPO_MAX_RESUBMITS [5]
+#   GRPO_SBATCH_ARGS     extra sbatch options for the resubmission (word-split) []
+#   TRAINER_STOP_GRACE_S seconds the trainer gets after a forwarded signal [100]
+#   SERVER_STOP_GRACE_S  seconds servers get between TERM and KILL [20]
+#   DRY_RUN              1: print the plan and the exact command of every node; start nothing.
+#                        Works inside an allocation (DRY_RUN=1 sbatch ...) and outside one
+#                        (DRY_RUN=1 bash slurm/X.sh: nodes from DRY_RUN_NODELIST or node1..N)
+
+GRPO_PIDS=()        # every process this script started (srun clients, router)
+GRPO_PID_NAMES=()
+GRPO_TRAINER_PID=""
+GRPO_SIGNAL=""      # USR1 / TERM when the job was asked to stop
+GRPO_ARGS=()
+
+grpo_log() { printf '[grpo %(%H:%M:%S)T] %s\n' -1 "$*"; [ -z "${GRPO_LOG_FILE:-}" ] || printf '[grpo %(%H:%M:%S)T] %s\n' -1 "$*" >> "$GRPO_LOG_FILE"; }
+grpo_die() { grpo_log "ERROR: $*" >&2; exit 1; }
+grpo_quote() { local out; printf -v out '%q ' "$@"; printf '%s' "${out% }"; }
+
+# ------------------------------------------------------------------------------ allocation
+grpo_allocation() {
+    local list
+    GRPO_IN_SLURM=0; [ -n "${SLURM_JOB_ID:-}" ] && GRPO_IN_SLURM=1
+    if [ "$GRPO_IN_SLURM" = 1 ]; then
+        list=$(scontrol show hostnames "$SLURM_JOB_NODELIST") || grpo_die "scontrol show hostnames '$SLURM_JOB_NODELIST' failed"
+        mapfile -t GRPO_NODES <<< "$list"
+        local g=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}
+        GPUS_PER_NODE=${GPUS_PER_NODE:-${g##*:}}
+    elif [ "${DRY_RUN:-0}" = 1 ]; then
+        if [ -n "${DRY_RUN_NODELIST:-}" ]; then
+            read -r -a GRPO_NODES <<< "${DRY_RUN_NODELIST//,/ }"
+        else
+            GRPO_NODES=(); local i
+            for ((i = 1; i <= ${GRPO_DEFAULT_NODES:-1}; i++)); do GRPO_NODES+=("node$i"); done
+        fi
+        GPUS_PER_NODE=${GPUS_PER_NODE:-${GRPO_DEFAULT_GPUS_PER_NODE:-0}}
+    else
+        grpo_die "not inside a Slurm job: submit with sbatch (or DRY_RUN=1 to print the plan)"
+    fi
+    [[ $GPUS_PER_NODE =~ ^[0-9]+$ ]] || grpo_die "GPUS_PER_NODE='$GPUS_PER_NODE' is not a number"
+    GRPO_NNODES=${#GRPO_NODES[@]}
+    GRPO_BATCH_HOST=${GRPO_NODES[0]}
+}
+
+# ------------------------------------------------------------------------------ recipe
+# Reads the values the launcher needs through the project's loader (validated), as shell vars R_*.
+grpo_read_recipe() {
+    local code
+    code=$("$GRPO_PYTHON" - "$RECIPE" "${GRPO_ARGS[@]}" <<'PY'
+import shlex, sys
+from megatron_grpo.config import load_config, validate
+from megatron_grpo.errors import MegatronGRPOError
+try:
+    c = load_config(sys.argv[1], sys.argv[2:])
+    validate(c)
+except MegatronGRPOError as exc:
+    print(f"grpo_die {shlex.quote(f'recipe {sys.argv[1]}: {exc}')}")
+    sys.exit(0)
+s = c.rollout.sglang
+values = dict(R_ENGINE=c.rollout.engine, R_MODEL_PATH=c.model.path or "", R_TP=s.tp_size,
+              R_NUM_ENGINES=s.num_engines, R_MEM_FRACTION=s.mem_fraction, R_PORT=s.port,
+              R_ROUTER=int(s.router), R_ROUTER_PORT=s.router_port, R_ROUTER_POLICY=s.router_policy,
+              R_WEIGHT_SYNC=s.weight_sync, R_STARTUP_TIMEOUT=int(s.startup_timeout_s),
+              R_NUM_URLS=len(s.urls),
+              R_MODEL_PARALLEL=c.parallel.tensor * c.parallel.pipeline * c.parallel.context)
+for key, value in values.items():
+    print(f"{key}={shlex.quote(str(value))}")
+print("R_EXTRA_ARGS=(" + " ".join(shlex.quote(a) for a in s.extra_args) + ")")
+PY
+) || grpo_die "could not read recipe $RECIPE with $GRPO_PYTHON (is megatron-grpo installed there?)"
+    eval "$code"
+}
+
+# ------------------------------------------------------------------------------ plan
+grpo_plan() {
+    local G=$GPUS_PER_NODE i
+    GRPO_PLACEMENT=${ENGINE_PLACEMENT:-auto}
+    if [ "$GRPO_PLACEMENT" = auto ]; then
+        if [ "$R_ENGINE" != sglang ] || [ "$R_NUM_URLS" -gt 0 ]; then GRPO_PLACEMENT=none
+        elif [ "$R_WEIGHT_SYNC" = tensor ]; then GRPO_PLACEMENT=colocated
+        else GRPO_PLACEMENT=dedicated; fi
+    fi
+    case $GRPO_PLACEMENT in none|colocated|dedicated) ;; *) grpo_die "ENGINE_PLACEMENT=$GRPO_PLACEMENT: expected auto, colocated, dedicated or none";; esac
+
+    if [ "$G" -gt 0 ]; then
+        GRPO_TASKS_PER_NODE=${TASKS_PER_NODE:-$G}
+    else
+        GRPO_TASKS_PER_NODE=${TASKS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-$(( ${SLURM_NTASKS:-$GRPO_NNODES} / GRPO_NNODES ))}}
+    fi
+    [ "$GRPO_TASKS_PER_NODE" -ge 1 ] || grpo_die "no trainer tasks per node (TASKS_PER_NODE=$GRPO_TASKS_PER_NODE)"
+
+    GRPO_ENGINE_NODES=(); GRPO_TRAINER_NODES=("${GRPO_NODES[@]}")
+    GRPO_ENGINE_HOST=(); GRPO_ENGINE_GPUS=(); GRPO_ENGINE_PORT=(); GRPO_ENGINE_BASE_GPU=()
+    if [ "$GRPO_PLACEMENT" != none ]; then
+        local tp=$R_TP n=$R_NUM_ENGINES
+        [ "$G" -gt 0 ] || grpo_die "SGLang engines need GPUs, but GPUS_PER_NODE=0 (request --gpus-per-node or set GPUS_PER_NODE)"
+        [ $((G % tp)) = 0 ] || grpo_die "rollout.sglang.tp_size=$tp does not divide the $G GPUs of a node (engines spanning nodes are not supported by this launcher)"
+        local per_node=$((G / tp)) need_nodes=$(( (n * tp + G - 1) / G ))
+        if [ "$GRPO_PLACEMENT" = dedicated ]; then
+            [ "$need_nodes" -lt "$GRPO_NNODES" ] || grpo_die "dedicated engines: $n engines x tp $tp need $need_nodes of the $GRPO_NNODES nodes, leaving none for the trainer"
+            GRPO_TRAINER_NODES=("${GRPO_NODES[@]:0:GRPO_NNODES-need_nodes}")
+            GRPO_ENGINE_NODES=("${GRPO_NODES[@]:GRPO_NNODES-need_nodes}")
+        else
+            [ "$need_nodes" -le "$GRPO_NNODES" ] || grpo_die "colocated engines: $n engines x tp $tp need $((n * tp)) GPUs, the job has $((GRPO_NNODES * G))"
+            GRPO_ENGINE_NODES=("${GRPO_NODES[@]:0:need_nodes}")
+        fi
+        local base_port=${SGLANG_PORT:-$R_PORT} stride=${SGLANG_PORT_STRIDE:-10} k j first gpus
+        for ((k = 0; k < n; k++)); do
+            j=$((k % per_node)); first=$((j * tp)); gpus=$first
+            for ((i = first + 1; i < first + tp; i++)); do gpus+=",$i"; done
+            GRPO_ENGINE_HOST+=("${GRPO_ENGINE_NODES[k / per_node]}")
+            GRPO_ENGINE_BASE_GPU+=("$first"); GRPO_ENGINE_GPUS+=("$gpus")
+            GRPO_ENGINE_PORT+=($((base_port + j * stride)))
+        done
+    fi
+    GRPO_TRAINER_NNODES=${#GRPO_TRAINER_NODES[@]}
+    GRPO_WORLD=$((GRPO_TRAINER_NNODES * GRPO_TASKS_PER_NODE))
+    [ $((GRPO_WORLD % R_MODEL_PARALLEL)) = 0 ] || grpo_die "$GRPO_WORLD trainer ranks ($GRPO_TRAINER_NNODES nodes x $GRPO_TASKS_PER_NODE) are not divisible by parallel.tensor x pipeline x context = $R_MODEL_PARALLEL"
+}
+
+# ------------------------------------------------------------------------------ commands
+grpo_engine_url() { printf 'http://%s:%s' "${SGLANG_BIND_HOST:-${GRPO_ENGINE_HOST[$1]}}" "${GRPO_ENGINE_PORT[$1]}"; }
+
+# grpo_engine_cmd K: sets GRPO_CMD (what runs on the node) and GRPO_LAUNCH (the srun around it)
+grpo_engine_cmd() {
+    local k=$1 host=${GRPO_ENGINE_HOST[$1]} per_node cpus
+    GRPO_CMD=("$GRPO_PYTHON" -m "${SGLANG_MODULE:-sglang.launch_server}"
+        --model-path "${SGLANG_MODEL_PATH:-${HF_MODEL:-$R_MODEL_PATH}}" --tp-size "$R_TP"
+        --base-gpu-id "${GRPO_ENGINE_BASE_GPU[$k]}" --host "${SGLANG_BIND_HOST:-$host}" --port "${GRPO_ENGINE_PORT[$k]}"
+        --mem-fraction-static "$R_MEM_FRACTION")
+    [ "$GRPO_PLACEMENT" = colocated ] && GRPO_CMD+=(--enable-memory-saver)
+    GRPO_CMD+=("${R_EXTRA_ARGS[@]}")
+    local extra=(); read -r -a extra <<< "${SGLANG_EXTRA_ARGS:-}"; GRPO_CMD+=("${extra[@]}")
+    per_node=$((GPUS_PER_NODE / R_TP))
+    cpus=${ENGINE_CPUS:-$(( ${SLURM_CPUS_ON_NODE:-$per_node} / per_node ))}; [ "$cpus" -ge 1 ] || cpus=1
+    # --overlap: share the node with the trainer step (colocated) and the other engines; the
+    # step gets all the node's GPUs (Slurm's default for steps) and --base-gpu-id picks them.
+    GRPO_LAUNCH=(srun --overlap --nodes=1 --ntasks=1 --nodelist="$host" --cpus-per-task="$cpus"
+        --cpu-bind=none --job-name="sglang-$k" --output="$GRPO_LOG_DIR/sglang-$k-$host.log")
+}
+
+grpo_router_cmd() {
+    local urls=() k
+    for ((k = 0; k < ${#GRPO_ENGINE_HOST[@]}; k++)); do urls+=("$(grpo_engine_url "$k")"); done
+    GRPO_ROUTER_URL="http://${SGLANG_BIND_HOST:-$GRPO_BATCH_HOST}:$R_ROUTER_PORT"
+    GRPO_CMD=("$GRPO_PYTHON" -m "${SGLANG_ROUTER_MODULE:-sglang_router.launch_router}" --host "${SGLANG_BIND_HOST:-$GRPO_BATCH_HOST}"
+        --port "$R_ROUTER_PORT" --policy "$R_ROUTER_POLICY" --worker-urls "${urls[@]}")
+}
+
+grpo_trainer_cmd() {
+    local overrides=("logging.output_dir=$GRPO_RUN_DIR") k url_list=""
+    if [ "${#GRPO_ENGINE_HOST[@]}" -gt 0 ]; then
+        for ((k = 0; k < ${#GRPO_ENGINE_HOST[@]}; k++)); do url_list+="${url_list:+,}\"$(grpo_engine_url "$k")\""; done
+        overrides+=("rollout.sglang.urls=[$url_list]")
+    fi
+    GRPO_CMD=("$GRPO_PYTHON" -m megatron_grpo.train "$RECIPE" "${overrides[@]}" "${GRPO_ARGS[@]}")
+    local nodelist; nodelist=$(IFS=,; echo "${GRPO_TRAINER_NODES[*]}")
+    GRPO_LAUNCH=(srun --nodes="$GRPO_TRAINER_NNODES" --ntasks-per-node="$GRPO_TASKS_PER_NODE"
+        --ntasks="$GRPO_WORLD" --nodelist="$nodelist" --kill-on-bad-exit=1 --job-name=trainer
+        --output="$GRPO_LOG_DIR/trainer-%t.log")
+    [ "$GRPO_PLACEMENT" = colocated ] && GRPO_LAUNCH+=(--overlap)
+    [ -n "${SLURM_CPUS_PER_TASK:-}" ] && GRPO_LAUNCH+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+    return 0
+}
+
+# ------------------------------------------------------------------------------ env
+grpo_network_env() {
+    local ifname=${GRPO_NET_IFNAME:-} addr
+    if [ -z "$ifname" ] && command -v ip >/dev/null; then
+        addr=$(getent ahostsv4 "${GRPO_TRAINER_NODES[0]}" 2>/dev/null | awk 'NR == 1 {print $1}')
+        [ -n "$addr" ] && ifname=$(ip -o route get "$addr" 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p')
+    fi
+    if [ -n "$ifname" ]; then
+        export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$ifname} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$ifname}
+    fi
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+    export PYTHONUNBUFFERED=1
+}
+
+# ------------------------------------------------------------------------------ dry run
+grpo_dry_run() {
+    local k n idx r0 gpus i
+    echo "[dry-run] recipe=$RECIPE nodes=${GRPO_NNODES} (${GRPO_NODES[*]}) gpus_per_node=$GPUS_PER_NODE placement=$GRPO_PLACEMENT trainer_nodes=$GRPO_TRAINER_NNODES tasks_per_node=$GRPO_TASKS_PER_NODE world=$GRPO_WORLD engines=${#GRPO_ENGINE_HOST[@]} run_dir=$GRPO_RUN_DIR"
+    echo "[dry-run] env NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-} OMP_NUM_THREADS=$OMP_NUM_THREADS"
+    for ((k = 0; k < ${#GRPO_ENGINE_HOST[@]}; k++)); do
+        grpo_engine_cmd "$k"
+        echo "[dry-run] launch :: $(grpo_quote "${GRPO_LAUNCH[@]}" "${GRPO_CMD[@]}")"
+        echo "[dry-run] node=${GRPO_ENGINE_HOST[$k]} role=engine id=$k gpus=${GRPO_ENGINE_GPUS[$k]} url=$(grpo_engine_url "$k") :: $(grpo_quote "${GRPO_CMD[@]}")"
+    done
+    if [ "${#GRPO_ENGINE_HOST[@]}" -gt 0 ] && [ "$R_ROUTER" = 1 ]; then
+        grpo_router_cmd
+        echo "[dry-run] node=$GRPO_BATCH_HOST role=router url=$GRPO_ROUTER_URL :: $(grpo_quote "${GRPO_CMD[@]}")"
+    fi
+    grpo_trainer_cmd
+    echo "[dry-run] launch :: $(grpo_quote "${GRPO_LAUNCH[@]}" "${GRPO_CMD[@]}")"
+    for ((idx = 0; idx < GRPO_TRAINER_NNODES; idx++)); do
+        n=${GRPO_TRAINER_NODES[$idx]}; r0=$((idx * GRPO_TASKS_PER_NODE)); gpus=""
+        if [ "$GPUS_PER_NODE" -gt 0 ]; then
+            for ((i = 0; i < GRPO_TASKS_PER_NODE; i++)); do gpus+="${gpus:+,}$i"; done
+        else gpus=none; fi
+        echo "[dry-run] node=$n role=trainer ranks=$r0-$((r0 + GRPO_TASKS_PER_NODE - 1)) tasks=$GRPO_TASKS_PER_NODE gpus=$gpus gpu_of_task=local_rank :: $(grpo_quote "${GRPO_CMD[@]}")"
+    done
+}
+
+# ------------------------------------------------------------------------------ processes
+grpo_start_bg() {  # grpo_start_bg NAME LOG CMD...: start in the background, remember the pid
+    local name=$1 log=$2; shift 2
+    printf '$ %s\n' "$(grpo_quote "$@")" >> "$log"
+    "$@" >> "$log" 2>&1 &
+    GRPO_PIDS+=("$!"); GRPO_PID_NAMES+=("$name")
+    printf '%s %s\n' "$!" "$name" >> "$GRPO_RUN_DIR/pids.txt"
+    grpo_log "started $name (pid $!, log $log)"
+}
+
+grpo_stop_servers() {
+    local i pid waited=0 grace=${SERVER_STOP_GRACE_S:-20} left
+    [ "${#GRPO_PIDS[@]}" -gt 0 ] || return 0
+    for i in "${!GRPO_PIDS[@]}"; do kill -TERM "${GRPO_PIDS[$i]}" 2>/dev/null; done
+    while :; do
+        left=0
+        for pid in "${GRPO_PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && left=$((left + 1)); done
+        [ "$left" = 0 ] && break
+        if [ "$waited" -ge $((grace * 5)) ]; then
+            for pid in "${GRPO_PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null; done
+            grpo_log "killed $left server process(es) after ${grace}s"
+            break
+        fi
+        sleep 0.2; waited=$((waited + 1))
+    done
+    for i in "${!GRPO_PIDS[@]}"; do wait "${GRPO_PIDS[$i]}" 2>/dev/null; done
+    grpo_log "stopped servers: ${GRPO_PID_NAMES[*]} (pids ${GRPO_PIDS[*]})"
+    GRPO_PIDS=(); GRPO_PID_NAMES=()
+}
+
+grpo_health_ok() {
+    if command -v curl >/dev/null; then curl -sf -m 5 -o /dev/null "$1/health"
+    else "$GRPO_PYTHON" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/health", timeout=5)' "$1" 2>/dev/null; fi
+}
+
+grpo_wait_healthy() {  # grpo_wait_healthy PID_INDEX_OFFSET URL...: every URL answers /health
+    local offset=$1 deadline url i pending
+    shift
+    deadline=$(($(date +%s) + ${SGLANG_STARTUP_TIMEOUT_S:-$R_STARTUP_TIMEOUT}))
+    pending=("$@")
+    while [ "${#pending[@]}" -gt 0 ]; do
+        for ((i = offset; i < ${#GRPO_PIDS[@]}; i++)); do
+            kill -0 "${GRPO_PIDS[$i]}" 2>/dev/null || {
+                tail -n 30 "$GRPO_LOG_DIR/${GRPO_PID_NAMES[$i]}"*.log >&2 2>/dev/null
+                grpo_die "${GRPO_PID_NAMES[$i]} exited before all servers were healthy (logs in $GRPO_LOG_DIR)"; }
+        done
+        local still=()
+        for url in "${pending[@]}"; do grpo_health_ok "$url" || still+=("$url"); done
+        pending=("${still[@]}")
+        [ "${#pending[@]}" = 0 ] && break
+        [ "$(date +%s)" -lt "$deadline" ] || grpo_die "not healthy after ${SGLANG_STARTUP_TIMEOUT_S:-$R_STARTUP_TIMEOUT}s: ${pending[*]} (logs in $GRPO_LOG_DIR)"
+        sleep 2
+    done
+    grpo_log "healthy: $*"
+}
+
+grpo_on_signal() {
+    GRPO_SIGNAL=$1
+    grpo_log "received SIG$1: asking the trainer to stop (it checkpoints), then stopping servers"
+    [ -n "$GRPO_TRAINER_PID" ] && kill -"$1" "$GRPO_TRAINER_PID" 2>/dev/null
+    [ -n "$GRPO_TRAINER_PID" ] || exit 143   # nothing to wait for: the EXIT trap cleans up
+}
+
+grpo_resubmit() {
+    local count=${GRPO_RESUBMIT_COUNT:-0} script unset_args=() v extra=()
+    [ "${GRPO_RESUBMIT:-0}" = 1 ] && [ -n "$GRPO_SIGNAL" ] || return 0
+    if [ "$count" -ge "${GRPO_MAX_RESUBMITS:-5}" ]; then grpo_log "not resubmitting: $count resubmissions already (GRPO_MAX_RESUBMITS)"; return 0; fi
+    script=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
+    [ -r "$script" ] || script=$0
+    # This job's SLURM_* variables must not leak into the next job (SLURM_CONF may stay).
+    for v in $(compgen -e | grep '^SLURM_' | grep -v '^SLURM_CONF$'); do unset_args+=(-u "$v"); done
+    read -r -a extra <<< "${GRPO_SBATCH_ARGS:-}"
+    if env "${unset_args[@]}" GRPO_RUN_DIR="$GRPO_RUN_DIR" GRPO_RESUBMIT_COUNT=$((count + 1)) \
+        sbatch --dependency="afterany:$SLURM_JOB_ID" --nodes="$SLURM_JOB_NUM_NODES" "${extra[@]}" "$script" "${GRPO_ARGS[@]}" \
+        >> "$GRPO_LOG_FILE" 2>&1; then
+        grpo_log "resubmitted $script (resubmission $((count + 1))): $(tail -n 1 "$GRPO_LOG_FILE")"
+    else
+        grpo_log "ERROR: resubmission failed (see $GRPO_LOG_FILE)"
+    fi
+}
+
+grpo_on_exit() {
+    local rc=$?
+    trap - EXIT USR1 TERM INT
+    grpo_stop_servers
+    grpo_resubmit
+    grpo_log "done: exit code $rc, run folder $GRPO_RUN_DIR"
+    exit "$rc"
+}
+
+# ------------------------------------------------------------------------------ main
+grpo_main() {
+    GRPO_ARGS=("$@")
+    : "${RECIPE:?RECIPE is not set}"
+    GRPO_PYTHON=${GRPO_PYTHON:-$(command -v python || command -v python3)}
+    [ -n "$GRPO_PYTHON" ] || grpo_die "no python on PATH: activate the environment with megatron-grpo or set GRPO_PYTHON"
+    [ -n "${HF_MODEL:-}" ] && GRPO_ARGS=("model.path=$HF_MODEL" "${GRPO_ARGS[@]}")
+    [ -n "${VAL_FILES:-}" ] && GRPO_ARGS=("data.val_files=[${VAL_FILES}]" "${GRPO_ARGS[@]}")
+    [ -n "${TRAIN_FILES:-}" ] && GRPO_ARGS=("data.train_files=[${TRAIN_FILES}]" "${GRPO_ARGS[@]}")
+
+    grpo_allocation
+    grpo_read_recipe
+    grpo_plan
+    GRPO_RUN_DIR=${GRPO_RUN_DIR:-${OUTPUT_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}/outputs}/${SLURM_JOB_NAME:-grpo}-${SLURM_JOB_ID:-dryrun}}
+    GRPO_LOG_DIR=$GRPO_RUN_DIR/logs
+    grpo_network_env
+    if [ "${DRY_RUN:-0}" = 1 ]; then grpo_dry_run; return 0; fi
+
+    mkdir -p "$GRPO_LOG_DIR" || grpo_die "cannot create $GRPO_LOG_DIR"
+    GRPO_LOG_FILE=$GRPO_LOG_DIR/batch.log
+    trap grpo_on_exit EXIT
+    trap 'grpo_on_signal USR1' USR1
+    trap 'grpo_on_signal TERM' TERM
+    trap 'grpo_on_signal TERM' INT   # srun needs two INTs to stop; TERM stops it at once
+    grpo_log "job ${SLURM_JOB_ID} on ${GRPO_NODES[*]}: recipe $RECIPE, placement $GRPO_PLACEMENT, trainer $GRPO_TRAINER_NNODES node(s) x $GRPO_TASKS_PER_NODE task(s), ${#GRPO_ENGINE_HOST[@]} engine(s), run folder $GRPO_RUN_DIR"
+    env | grep -E '^(SLURM_|NCCL_|GLOO_|CUDA_|OMP_|GRPO_|SGLANG_|HF_|RECIPE=|TRAIN_FILES=|VAL_FILES=|OUTPUT_ROOT=|ENGINE_|GPUS_PER_NODE=|TASKS_PER_NODE=)' \
+        | grep -v '_API_KEY=' | sort > "$GRPO_RUN_DIR/env-${SLURM_JOB_ID}.txt"
+    "$GRPO_PYTHON" -m megatron_grpo.cli config show "$RECIPE" "${GRPO_ARGS[@]}" --world-size "$GRPO_WORLD" \
+        > "$GRPO_RUN_DIR/config-${SLURM_JOB_ID}.yaml" 2>> "$GRPO_LOG_FILE" \
+        || grpo_die "recipe check with world size $GRPO_WORLD failed: $(tail -n 1 "$GRPO_LOG_FILE")"
+    DRY_RUN=1 grpo_dry_run > "$GRPO_RUN_DIR/commands-${SLURM_JOB_ID}.txt"
+
+    local k urls=()
+    for ((k = 0; k < ${#GRPO_ENGINE_HOST[@]}; k++)); do
+        grpo_engine_cmd "$k"
+        grpo_start_bg "sglang-$k" "$GRPO_LOG_DIR/launch-sglang-$k.log" "${GRPO_LAUNCH[@]}" "${GRPO_CMD[@]}"
+        urls+=("$(grpo_engine_url "$k")")
+    done
+    if [ "${#urls[@]}" -gt 0 ]; then
+        grpo_wait_healthy 0 "${urls[@]}"
+        if [ "$R_ROUTER" = 1 ]; then
+            grpo_router_cmd
+            grpo_start_bg router "$GRPO_LOG_DIR/router.log" "${GRPO_CMD[@]}"
+            grpo_wait_healthy "$(( ${#GRPO_PIDS[@]} - 1 ))" "$GRPO_ROUTER_URL"
+            export GRPO_SGLANG_ROUTER_URL=$GRPO_ROUTER_URL   # for the trainer's /generate traffic
+        fi
+    fi
+
+    grpo_trainer_cmd
+    grpo_log "trainer: $(grpo_quote "${GRPO_LAUNCH[@]}" "${GRPO_CMD[@]}")"
+    "${GRPO_LAUNCH[@]}" "${GRPO_CMD[@]}" >> "$GRPO_LOG_FILE" 2>&1 &
+    GRPO_TRAINER_PID=$!
+    local rc deadline
+    wait "$GRPO_TRAINER_PID"; rc=$?
+    # `wait` returns early when a trapped signal arrives: give the trainer (which got the signal
+    # through srun) TRAINER_STOP_GRACE_S to checkpoint and exit, then kill the step.
+    deadline=$(($(date +%s) + ${TRAINER_STOP_GRACE_S:-100}))
+    while kill -0 "$GRPO_TRAINER_PID" 2>/dev/null; do
+        if [ "$(date +%s)" -ge "$deadline" ]; then
+            grpo_log "trainer still running ${TRAINER_STOP_GRACE_S:-100}s after SIG$GRPO_SIGNAL: killing its srun"
+            kill -KILL "$GRPO_TRAINER_PID" 2>/dev/null
+        fi
+        sleep 1
+    done
+    [ -z "$GRPO_SIGNAL" ] || { wait "$GRPO_TRAINER_PID"; rc=$?; }
+    GRPO_TRAINER_PID=""
+    if [ "$rc" != 0 ]; then
+        grpo_log "trainer failed with exit code $rc; last lines of rank 0's log:"
+        tail -n 20 "$GRPO_LOG_DIR/trainer-0.log" 2>/dev/null | sed 's/^/    /'
+    fi
+    return "$rc"
+}
