@@ -10,21 +10,22 @@
 #SBATCH --signal=B:USR1@120
 #SBATCH --output=slurm-%x-%j.out
 #
-# GRPO on Qwen3-8B with GSM8K: one node of 8 x H100/H200, SGLang colocated on the trainer GPUs
-# (recipes/qwen3_8b_gsm8k.yaml: TP=2 x DP=4 trainer, 8 engines with tp_size 1, weight_sync=tensor).
+# GRPO on Qwen3-32B with competition math: four nodes of 8 x H100/H200; nodes 1-2 train
+# (recipes/qwen3_32b_math.yaml: TP=8 x DP=2), nodes 3-4 run 8 SGLang engines (tp_size 2) behind
+# the router on the batch node (dedicated placement, weight_sync=distributed: NCCL broadcast).
 #
-#   sbatch slurm/grpo_qwen3_8b.sh [key.sub=value ...]      e.g. actor.optim.lr=2e-6
-#   DRY_RUN=1 sbatch slurm/grpo_qwen3_8b.sh                 print every node's commands, start nothing
-#   DRY_RUN=1 bash slurm/grpo_qwen3_8b.sh                   the same without Slurm (nodes node1..)
+#   sbatch slurm/grpo_qwen3_32b.sh [key.sub=value ...]      e.g. actor.optim.lr=2e-6
+#   DRY_RUN=1 sbatch slurm/grpo_qwen3_32b.sh                 print every node's commands, start nothing
+#   DRY_RUN=1 bash slurm/grpo_qwen3_32b.sh                   the same without Slurm (nodes node1..)
 #
 # Needs: the environment with megatron-grpo and sglang[all] + sglang-router active when submitting
 # (the job inherits PATH), or GRPO_PYTHON=/path/to/python; the model and data on a shared filesystem.
 #
 # Environment (defaults in brackets; the full list is at the top of slurm/lib/grpo_common.sh):
-#   HF_MODEL        HF folder of Qwen3-8B (config.json + safetensors)  [recipe: Qwen/Qwen3-8B]
-#   TRAIN_FILES     comma-separated prompt files (verl layout; tools/prepare_gsm8k.py)
-#                                                 [recipe: data/gsm8k_rl/train.parquet]
-#   VAL_FILES       [recipe: data/gsm8k_rl/test.parquet]
+#   HF_MODEL        HF folder of Qwen3-32B (config.json + safetensors) [recipe: Qwen/Qwen3-32B]
+#   TRAIN_FILES     comma-separated prompt files (verl layout: prompt, reward_model.ground_truth)
+#                                                 [recipe: data/math_rl/train.parquet]
+#   VAL_FILES       [recipe: data/math_rl/test.parquet]
 #   OUTPUT_ROOT     run folders go to OUTPUT_ROOT/<job name>-<job id>  [$SLURM_SUBMIT_DIR/outputs]
 #   SGLANG_EXTRA_ARGS  extra sglang.launch_server flags, e.g. "--attention-backend fa3"  []
 #   ENGINE_PLACEMENT   auto (from the recipe) | colocated | dedicated | none            [auto]
