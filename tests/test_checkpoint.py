@@ -53,7 +53,13 @@ def _train(rank, world_size, overrides, signal_at_step=None, signal_rank=0):
             os.kill(os.getpid(), signal.SIGUSR1)
         return metrics
 
-    loop.build_run, loop.grpo_step = capture_run, step_then_signal
+    class CapturingCheckpointer(loop.Checkpointer):
+        def resume(self):
+            step = super().resume()
+            captured["at_resume"] = {n: p.detach().clone() for n, p in unwrap(self.run.policy[0]).named_parameters()}
+            return step
+
+    loop.build_run, loop.grpo_step, loop.Checkpointer = capture_run, step_then_signal, CapturingCheckpointer
     cfg = load_config("tiny_cpu", overrides)
     validate(cfg, world_size=world_size)
     loop.train(cfg)
@@ -61,7 +67,7 @@ def _train(rank, world_size, overrides, signal_at_step=None, signal_rank=0):
     params = {name: p.detach().clone() for name, p in unwrap(run.policy[0]).named_parameters()}
     engine = ({k: v.detach().clone() for k, v in run.engine.model.state_dict().items()}
               if run.engine is not None else None)
-    return {"params": params, "engine": engine}
+    return {"params": params, "engine": engine, "at_resume": captured["at_resume"]}
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +107,18 @@ def test_resume_dp2_to_dp1(tmp_path, uninterrupted):
     """Saved by 2 data-parallel ranks (the signal reaches rank 1 only: both ranks must agree to
     stop), resumed by 1: the distributed optimizer's dp_reshardable state carries over."""
     args = [*FAST, f"logging.output_dir={tmp_path}"]
-    run_distributed(_train, 2, (args, 2, 1), timeout=400)
+    saved = run_distributed(_train, 2, (args, 2, 1), timeout=400)
     assert (tmp_path / "checkpoints" / "step_2" / "rng" / "tp0-pp0-cp0-dp1.pt").is_file()
     resumed = run_distributed(_train, 1, (args,), timeout=300)[0]
+    # The state loaded at DP=1 is the state the DP=2 run saved.
+    for name, value in saved[0]["params"].items():
+        assert torch.equal(resumed["at_resume"][name], value), name
+    # Steps 3-4 then run at DP=1. Against the uninterrupted DP=1 run, steps 1-2 differ in the fp32
+    # reduction order (two DP shares vs one), which Adam amplifies on near-zero gradients: measured
+    # 1.6e-6 after 4 steps at lr 1e-3; the restored state itself is bitwise equal (above).
     worst = max((resumed["params"][n] - v).abs().max().item() for n, v in uninterrupted["params"].items())
-    assert worst <= 1e-6, f"DP 2 -> 1 resume differs from the uninterrupted run by {worst:.3g}"
+    print(f"\nDP 2 -> 1 resume vs uninterrupted DP=1 run: max |weight diff| {worst:.3g}")
+    assert worst <= 1e-5, f"DP 2 -> 1 resume differs from the uninterrupted run by {worst:.3g}"
     metrics = _metrics(tmp_path)
     assert sorted(metrics) == [1, 2, 3, 4]
     for step in (3, 4):

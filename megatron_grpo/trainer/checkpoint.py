@@ -397,6 +397,7 @@ class Checkpointer:
             return step
         if dist.get_rank() == 0 and self.cfg.checkpoint.resume.strip() == "auto":
             log.info("checkpoint: no complete checkpoint under %s; starting from step 0", self.root)
+            _trim_metrics(Path(self.cfg.logging.output_dir) / "metrics.jsonl", 0)  # a crashed earlier life's
         return 0
 
     def _load(self, found: Found) -> tuple[int, int]:
@@ -503,6 +504,6 @@ def _trim_metrics(path: Path, step: int) -> None:
                 continue
         except (ValueError, KeyError, TypeError):
             continue  # a line cut by the crash
-        kept.append(line)
+        kept.append(line if line.endswith("\n") else line + "\n")
     if len(kept) != len(lines):
         write_atomic(path, "".join(kept).encode("utf-8"))
