@@ -361,6 +361,10 @@ grpo_main() {
     GRPO_RUN_DIR=${GRPO_RUN_DIR:-${OUTPUT_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}/outputs}/${SLURM_JOB_NAME:-grpo}-${SLURM_JOB_ID:-dryrun}}
     GRPO_LOG_DIR=$GRPO_RUN_DIR/logs
     grpo_network_env
+    # The full recipe check, batch sizes against the data-parallel size included; the resolved
+    # config is kept in the run folder.
+    GRPO_CONFIG_YAML=$("$GRPO_PYTHON" -m megatron_grpo.cli config show "$RECIPE" "${GRPO_ARGS[@]}" --world-size "$GRPO_WORLD" 2>&1) \
+        || grpo_die "recipe $RECIPE with $GRPO_WORLD trainer ranks: $(tail -n 1 <<< "$GRPO_CONFIG_YAML")"
     if [ "${DRY_RUN:-0}" = 1 ]; then grpo_dry_run; return 0; fi
 
     mkdir -p "$GRPO_LOG_DIR" || grpo_die "cannot create $GRPO_LOG_DIR"
@@ -372,9 +376,7 @@ grpo_main() {
     grpo_log "job ${SLURM_JOB_ID} on ${GRPO_NODES[*]}: recipe $RECIPE, placement $GRPO_PLACEMENT, trainer $GRPO_TRAINER_NNODES node(s) x $GRPO_TASKS_PER_NODE task(s), ${#GRPO_ENGINE_HOST[@]} engine(s), run folder $GRPO_RUN_DIR"
     env | grep -E '^(SLURM_|NCCL_|GLOO_|CUDA_|OMP_|GRPO_|SGLANG_|HF_|RECIPE=|TRAIN_FILES=|VAL_FILES=|OUTPUT_ROOT=|ENGINE_|GPUS_PER_NODE=|TASKS_PER_NODE=)' \
         | grep -v '_API_KEY=' | sort > "$GRPO_RUN_DIR/env-${SLURM_JOB_ID}.txt"
-    "$GRPO_PYTHON" -m megatron_grpo.cli config show "$RECIPE" "${GRPO_ARGS[@]}" --world-size "$GRPO_WORLD" \
-        > "$GRPO_RUN_DIR/config-${SLURM_JOB_ID}.yaml" 2>> "$GRPO_LOG_FILE" \
-        || grpo_die "recipe check with world size $GRPO_WORLD failed: $(tail -n 1 "$GRPO_LOG_FILE")"
+    printf '%s\n' "$GRPO_CONFIG_YAML" > "$GRPO_RUN_DIR/config-${SLURM_JOB_ID}.yaml"
     DRY_RUN=1 grpo_dry_run > "$GRPO_RUN_DIR/commands-${SLURM_JOB_ID}.txt"
 
     local k urls=()

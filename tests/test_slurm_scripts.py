@@ -1,0 +1,168 @@
+"""Static checks of the cluster launch scripts: shellcheck / bash -n, #SBATCH headers, the three
+GPU recipes against their layouts, and DRY_RUN=1 plans of the 8B (colocated) and 70B (dedicated)
+scripts: task counts, GPU binding, engine placement. No Slurm needed (the plan is computed for a
+synthetic allocation node1..N)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_SCRIPTS = {  # script -> (recipe, nodes)
+    "grpo_qwen3_8b.sh": ("qwen3_8b_gsm8k", 1),
+    "grpo_qwen3_32b.sh": ("qwen3_32b_math", 4),
+    "grpo_llama3_70b.sh": ("llama3_70b_gsm8k", 8),
+}
+SHELL_FILES = sorted([*REPO.glob("slurm/*.sh"), *REPO.glob("slurm/lib/*.sh"),
+                      REPO / "scripts/start_local_slurm.sh", REPO / "scripts/stop_local_slurm.sh",
+                      REPO / "scripts/install_test_deps.sh"])
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test process's environment without Slurm / launcher variables (pytest may itself run
+    inside an allocation), with the venv's python first on PATH."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "SBATCH_", "OMPI_", "PMI")) and k not in (
+               "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "TASKS_PER_NODE",
+               "ENGINE_PLACEMENT", "HF_MODEL", "TRAIN_FILES", "VAL_FILES", "GRPO_RUN_DIR", "DRY_RUN")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra)
+    return env
+
+
+def dry_run(script: str, *overrides: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "slurm" / script), *overrides], cwd=REPO, text=True,
+                          capture_output=True, timeout=120,
+                          env=clean_env(DRY_RUN="1", GRPO_NET_IFNAME="ib0", **env))
+
+
+def parse_plan(stdout: str) -> dict[str, list[dict[str, str]]]:
+    """`[dry-run] node=H role=R k=v ... :: command` lines -> {role: [{node, ..., cmd}]}."""
+    plan: dict[str, list[dict[str, str]]] = {"engine": [], "trainer": [], "router": [], "launch": []}
+    for line in stdout.splitlines():
+        if line.startswith("[dry-run] launch :: "):
+            plan["launch"].append({"cmd": line.split(" :: ", 1)[1]})
+            continue
+        match = re.match(r"\[dry-run\] (node=\S+ role=\S+.*?) :: (.*)$", line)
+        if match:
+            fields = dict(item.split("=", 1) for item in match.group(1).split())
+            fields["cmd"] = match.group(2)
+            plan[fields["role"]].append(fields)
+    return plan
+
+
+@pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_bash_syntax(path: Path) -> None:
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_shellcheck_clean() -> None:
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (scripts/install_test_deps.sh installs it)")
+    result = subprocess.run(["shellcheck", "-x", *map(str, SHELL_FILES)], capture_output=True, text=True,
+                            cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("script", [*GPU_SCRIPTS, "grpo_tiny_cpu.sh"])
+def test_sbatch_header(script: str) -> None:
+    text = (REPO / "slurm" / script).read_text()
+    header = dict(re.findall(r"^#SBATCH --([a-z-]+)=(\S+)", text, flags=re.M))
+    assert header["signal"] == "B:USR1@120"
+    assert "time" in header and "job-name" in header
+    defaults = dict(re.findall(r"(GRPO_DEFAULT_\w+)=(\d+)", text))
+    assert int(header["nodes"]) == int(defaults["GRPO_DEFAULT_NODES"])
+    assert int(header.get("gpus-per-node", 0)) == int(defaults["GRPO_DEFAULT_GPUS_PER_NODE"])
+    if script in GPU_SCRIPTS:
+        recipe, nodes = GPU_SCRIPTS[script]
+        assert int(header["nodes"]) == nodes
+        assert header["ntasks-per-node"] == header["gpus-per-node"] == "8"  # one task per GPU
+        assert f"RECIPE:={recipe}" in text
+    assert 'grpo_main "$@"' in text  # recipe overrides from the command line
+
+
+@pytest.mark.parametrize("script", list(GPU_SCRIPTS))
+def test_gpu_recipe_validates_for_its_layout(script: str) -> None:
+    from megatron_grpo.config import load_config, validate
+
+    recipe, _ = GPU_SCRIPTS[script]
+    plan = parse_plan(dry_run(script).stdout)
+    world = sum(int(t["tasks"]) for t in plan["trainer"])
+    config = load_config(REPO / "recipes" / f"{recipe}.yaml")
+    validate(config, world_size=world)
+    assert config.rollout.engine == "sglang" and config.model.dtype == "bfloat16"
+
+
+def test_dry_run_qwen3_8b_colocated() -> None:
+    result = dry_run("grpo_qwen3_8b.sh", "actor.optim.lr=2e-6")
+    assert result.returncode == 0, result.stderr
+    plan = parse_plan(result.stdout)
+    [trainer] = plan["trainer"]
+    assert (trainer["node"], trainer["ranks"], trainer["tasks"]) == ("node1", "0-7", "8")
+    assert trainer["gpus"] == "0,1,2,3,4,5,6,7" and trainer["gpu_of_task"] == "local_rank"
+    engines = plan["engine"]
+    assert len(engines) == 8 and all(e["node"] == "node1" for e in engines)  # colocated
+    assert [e["gpus"] for e in engines] == [str(i) for i in range(8)]  # one GPU each, no overlap
+    assert [e["url"] for e in engines] == [f"http://node1:{30000 + 10 * i}" for i in range(8)]
+    for i, engine in enumerate(engines):
+        assert f"--tp-size 1 --base-gpu-id {i} " in engine["cmd"]
+        assert "--enable-memory-saver" in engine["cmd"] and "--mem-fraction-static 0.4" in engine["cmd"]
+        assert "-m sglang.launch_server" in engine["cmd"]
+    assert plan["router"] == []
+    trainer_launch = plan["launch"][-1]["cmd"]
+    assert "srun --nodes=1 --ntasks-per-node=8 --ntasks=8" in trainer_launch
+    assert "--overlap" in trainer_launch and "--kill-on-bad-exit=1" in trainer_launch
+    assert "--gpus-per-task" not in trainer_launch  # every task sees all GPUs (CUDA IPC, P2P)
+    assert sum("--overlap --nodes=1 --ntasks=1 --nodelist=node1" in l["cmd"] for l in plan["launch"]) == 8
+    cmd = trainer["cmd"]
+    assert "-m megatron_grpo.train qwen3_8b_gsm8k" in cmd
+    for i in range(8):
+        assert f"http://node1:{30000 + 10 * i}" in cmd
+    assert cmd.endswith("actor.optim.lr=2e-6")  # the user's override comes last and wins
+    assert "NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0" in result.stdout
+
+
+def test_dry_run_llama3_70b_dedicated() -> None:
+    result = dry_run("grpo_llama3_70b.sh", HF_MODEL="/models/llama3-70b")
+    assert result.returncode == 0, result.stderr
+    plan = parse_plan(result.stdout)
+    trainers = plan["trainer"]
+    assert [t["node"] for t in trainers] == ["node1", "node2", "node3", "node4"]
+    assert [t["ranks"] for t in trainers] == ["0-7", "8-15", "16-23", "24-31"]
+    assert all(t["tasks"] == "8" and t["gpus"] == "0,1,2,3,4,5,6,7" for t in trainers)
+    engines = plan["engine"]
+    assert [e["node"] for e in engines] == ["node5", "node5", "node6", "node6", "node7", "node7",
+                                            "node8", "node8"]  # dedicated: none on trainer nodes
+    assert [e["gpus"] for e in engines] == ["0,1,2,3", "4,5,6,7"] * 4
+    for engine in engines:
+        assert "--model-path /models/llama3-70b --tp-size 4" in engine["cmd"]
+        assert "--enable-memory-saver" not in engine["cmd"]
+        assert f"--host {engine['node']} " in engine["cmd"]
+    [router] = plan["router"]
+    assert router["node"] == "node1" and "--policy cache_aware" in router["cmd"]
+    assert router["cmd"].endswith(" ".join(e["url"] for e in engines))
+    trainer_launch = plan["launch"][-1]["cmd"]
+    assert "srun --nodes=4 --ntasks-per-node=8 --ntasks=32" in trainer_launch
+    assert r"--nodelist=node1\,node2\,node3\,node4" in trainer_launch
+    assert "--overlap" not in trainer_launch
+    assert "model.path=/models/llama3-70b" in trainers[0]["cmd"]
+
+
+def test_dry_run_explains_impossible_layouts() -> None:
+    result = dry_run("grpo_llama3_70b.sh", GPUS_PER_NODE="2")
+    assert result.returncode != 0 and "tp_size=4 does not divide the 2 GPUs" in result.stderr
+    result = dry_run("grpo_qwen3_8b.sh", "rollout.sglang.num_engines=9")
+    assert result.returncode != 0 and "need 9 GPUs, the job has 8" in result.stderr
+    result = dry_run("grpo_qwen3_8b.sh", "parallel.tensor=3")
+    assert result.returncode != 0 and "not divisible by parallel.tensor x pipeline x context = 3" in result.stderr
+    result = dry_run("grpo_qwen3_8b.sh", "actor.ppo_mini_batch_size=1", "data.train_batch_size=1", "rollout.n=3")
+    assert result.returncode != 0 and "not divisible by the data-parallel size 4" in result.stderr
+    result = dry_run("grpo_tiny_cpu.sh", ENGINE_PLACEMENT="dedicated")
+    assert result.returncode != 0 and "need GPUs" in result.stderr
