@@ -175,7 +175,7 @@ def test_engine_health_and_memory_calls(servers):
     health = engine.health()
     assert health and health.weight_version == 0
     engine.release_memory()
-    with pytest.raises(SGLangError, match="HTTP 503.*weights are released"):
+    with pytest.raises(SGLangError, match=r"HTTP 503.*\[.cuda_graph., .kv_cache., .weights.\] are released"):
         engine.generate(requests(SamplingParams(max_new_tokens=2))[:1])
     engine.resume_memory()
     assert len(engine.generate(requests(SamplingParams(max_new_tokens=2))[:1])[0].response_ids) == 2

@@ -161,6 +161,7 @@ def test_tensor_transport_cpu_shared_memory(setup):
     transport = TensorTransport(client, EngineTarget(setup["tp2"], tp_size=2), bucket_bytes=100 * 1024,
                                 metadata_format="plain")
     engine = SGLangEngine(client, transport)
+    engine.release_memory()  # colocated: the trainer ran; the update wakes the server in two stages
     model = donor(3)
     engine.update_weights(hf_stream(model), version=10)
     assert engine.last_sync.num_buckets > 1

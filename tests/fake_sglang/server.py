@@ -63,8 +63,9 @@ class FakeSGLang:
             os._exit(17)  # a crash while the client waits for the answer
         if count <= self.args.fail_first:
             raise HTTPFailure(503, f"fake overload: failing /generate request {count} of the first {self.args.fail_first}")
-        if "weights" in self.released:
-            raise HTTPFailure(503, "weights are released (release_memory_occupation); resume them first")
+        if self.released & {"weights", "kv_cache"}:
+            raise HTTPFailure(503, f"{sorted(self.released)} are released (release_memory_occupation); "
+                                   f"resume them first")
         self.unpaused.wait()
         input_ids = body.get("input_ids")
         if input_ids is None:

@@ -22,6 +22,7 @@ class SGLangEngine(RolloutEngine):
         self.generate_client = generate_client or client
         self.memory_tags = list(memory_tags) if memory_tags else None
         self._version = 0
+        self._released = False
         self.last_sync: SyncStats | None = None
 
     @property
@@ -35,14 +36,22 @@ class SGLangEngine(RolloutEngine):
         self.generate_client.abort()
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        # Colocated wake-up in two stages: weight memory before the push, KV cache after it, so
+        # the trainer's buffers and the KV cache never need GPU memory at the same time.
+        if self._released:
+            self.client.call_all("/resume_memory_occupation", {"tags": ["weights"]})
         self.last_sync = update_weights(self.client, self.transport, named_tensors, version)
         self._version = int(version)
+        if self._released:
+            self.resume_memory()
 
     def release_memory(self) -> None:
         self.client.call_all("/release_memory_occupation", {"tags": self.memory_tags})
+        self._released = True
 
     def resume_memory(self) -> None:
         self.client.call_all("/resume_memory_occupation", {"tags": self.memory_tags})
+        self._released = False
 
     def health(self) -> EngineHealth:
         problems, versions = [], set()
