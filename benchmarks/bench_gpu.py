@@ -1,0 +1,371 @@
+"""One-GPU performance: train-step MFU, log-prob kernel bandwidth, local-engine generation; one table.
+
+    bash benchmarks/run_gpu_bench.sh                  # the prepared run (~3-5 min on an H100/H200)
+    python benchmarks/bench_gpu.py --model qwen3-1.7b # same, choosing the model / sizes yourself
+    python benchmarks/bench_gpu.py --dry-run          # tiny shapes on CPU (or GPU): checks the code paths
+
+Without CUDA (and without --dry-run) it exits at once with a message: nothing here is meaningful
+on CPU.
+
+Sections (each a row group of the table):
+1. train step MFU: a Qwen3-shaped model (random init; config dict -> ModelConfig.from_hf ->
+   models.build_model, local spec or TE spec when transformer_engine imports, bf16, Megatron DDP +
+   distributed optimizer) runs trainer.train_step.train_on_mini_batch, the trainer's own update
+   (GRPO loss on vocab-parallel log-probs + entropy, one optimizer step) on fixed-length sequences.
+   MFU = useful model FLOPs / step time / the card's dense bf16 peak, with useful FLOPs per token
+   = 3 x forward, forward = 2 x (linear parameters incl. the LM head) + 4 x layers x heads x
+   head_dim x mean causal context ((s+1)/2). Attention FLOPs the implementation wastes (the local
+   spec computes the full s x s score matrix) are not counted as useful.
+2. log-prob kernels: ops.vocab_parallel on a [T, V] bf16 logit tensor. Effective bandwidth = the
+   bytes the op must at least move / time: forward reads the logits once (T*V*2 bytes); forward +
+   backward with entropy (what the trainer runs) reads them twice and writes the gradient once
+   (3*T*V*2). Shown against the card's peak HBM bandwidth and against a measured device copy
+   (logits.clone(): read + write), the practical ceiling.
+3. local engine generation: rollout.local.LocalEngine (HF transformers Qwen3, bf16, KV cache) on
+   P prompts x n samples, EOS disabled so every row decodes exactly the requested tokens.
+   Generated tokens/s; "weight read" is parameter bytes x decode steps / time, a lower bound on the
+   HBM traffic of decoding (KV-cache reads come on top).
+Times: CUDA-synchronised wall clock, median of the measured repetitions after warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+# Dense (no sparsity) bf16 TFLOPS and HBM TB/s from the vendors' data sheets, by device-name substring.
+# First match wins, so the more specific names come first. --peak-tflops / --peak-tbps override.
+PEAKS = [
+    ("GH200", 989.0, 4.0), ("H200", 989.0, 4.8), ("H100 NVL", 835.0, 3.9), ("H100 PCIe", 756.0, 2.0),
+    ("H100", 989.0, 3.35), ("H800", 989.0, 3.35), ("B200", 2250.0, 8.0), ("B100", 1750.0, 8.0),
+    ("A100-SXM4-80GB", 312.0, 2.039), ("A100 80GB PCIe", 312.0, 1.935), ("A100", 312.0, 1.555),
+    ("L40S", 362.0, 0.864), ("A10G", 70.0, 0.6), ("RTX 4090", 165.0, 1.008),
+]
+
+QWEN3 = {  # HF config dicts (Qwen/Qwen3-*/config.json, the fields that shape the network)
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+}
+COMMON = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936,
+              max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False,
+              attention_dropout=0.0, hidden_act="silu", initializer_range=0.02, bos_token_id=151643,
+              eos_token_id=151645)
+
+
+@dataclass
+class Row:
+    section: str
+    setting: str
+    measured: str
+    peak: str = "n/a"
+    fraction: str = "n/a"
+
+
+@dataclass
+class Report:
+    device: str
+    rows: list[Row] = field(default_factory=list)
+    raw: dict = field(default_factory=dict)
+
+    def markdown(self) -> str:
+        lines = [f"Device: {self.device}", "", "| benchmark | setting | measured | peak | % of peak |",
+                 "|---|---|---:|---:|---:|"]
+        lines += [f"| {r.section} | {r.setting} | {r.measured} | {r.peak} | {r.fraction} |" for r in self.rows]
+        return "\n".join(lines)
+
+
+def hf_config(name: str, vocab_size: Optional[int] = None) -> dict:
+    config = dict(COMMON, **QWEN3[name])
+    if vocab_size:
+        config["vocab_size"] = vocab_size
+        config["bos_token_id"] = config["eos_token_id"] = vocab_size - 1
+    return config
+
+
+def device_peaks(device: torch.device, tflops: Optional[float], tbps: Optional[float]) -> tuple[str, Optional[float], Optional[float]]:
+    if device.type != "cuda":
+        return f"CPU ({torch.get_num_threads()} threads), dry run", tflops, tbps
+    name = torch.cuda.get_device_name(device)
+    for key, peak_tflops, peak_tbps in PEAKS:
+        if key in name:
+            return name, tflops or peak_tflops, tbps or peak_tbps
+    return name, tflops, tbps
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median seconds of `repeats` calls after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bandwidth(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e12:.2f} TB/s" if bytes_per_s >= 1e11 else f"{bytes_per_s / 1e9:.2f} GB/s"
+
+
+def pct(value: float, peak: Optional[float]) -> str:
+    return f"{100 * value / peak:.1f}%" if peak else "n/a"
+
+
+# ----- 1. train step ---------------------------------------------------------------------------
+def train_flops_per_token(mc, seq_len: int) -> float:
+    """Useful FLOPs per token of forward + backward (3 x forward), see the module docstring."""
+    h, layers, heads, kv, hd, ffn = (mc.hidden_size, mc.num_layers, mc.num_attention_heads,
+                                     mc.num_query_groups, mc.head_dim, mc.ffn_hidden_size)
+    per_layer = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * ffn
+    linear = layers * per_layer + h * mc.padded_vocab_size
+    attention = layers * 4 * heads * hd * (seq_len + 1) / 2
+    return 3 * (2 * linear + attention)
+
+
+def bench_train(args, device: torch.device, dtype: torch.dtype, report: Report, peak_tflops: Optional[float]) -> None:
+    from megatron_grpo.algo import GlobalBatchInfo, GRPOLossConfig
+    from megatron_grpo.launch import ParallelLayout, init_distributed, initialize_model_parallel
+    from megatron_grpo.models import ModelConfig, build_model
+    from megatron_grpo.models.spec import resolve_backend
+    from megatron_grpo.trainer.batching import TrainSample, collate
+    from megatron_grpo.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
+    from megatron_grpo.trainer.train_step import train_on_mini_batch
+
+    init_distributed()
+    layout = ParallelLayout()
+    initialize_model_parallel(layout, seed=1234)
+    mc = ModelConfig.from_hf(hf_config(args.model, args.vocab_size))
+    chunks = build_model(mc, layout, dtype=dtype, backend=args.backend)
+    for chunk in chunks:
+        chunk.to(device)
+    params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+    policy = wrap_with_ddp(chunks, use_distributed_optimizer=True)
+    optimizer, _ = build_optimizer(policy, OptimizerSettings(lr=1e-6, grad_clip=1.0, use_distributed_optimizer=True,
+                                                             bf16=dtype == torch.bfloat16))
+    seq = args.prompt_length + args.response_length
+    generator = torch.Generator().manual_seed(0)
+    rows = args.micro_batch_rows * args.micro_batches
+    samples = [TrainSample(prompt_ids=torch.randint(mc.vocab_size, (args.prompt_length,), generator=generator).tolist(),
+                           response_ids=torch.randint(mc.vocab_size, (args.response_length,),
+                                                      generator=generator).tolist(),
+                           advantage=1.0 if i % 2 else -1.0) for i in range(rows)]
+    micro_batches = [collate(samples, list(range(i, i + args.micro_batch_rows)))
+                     for i in range(0, rows, args.micro_batch_rows)]
+    batch_info = GlobalBatchInfo.from_masks([mb.loss_mask for mb in micro_batches], dp_size=1,
+                                            loss_scale_factor=args.response_length,
+                                            framework_loss_divisor=len(micro_batches))
+    loss_config = GRPOLossConfig()
+
+    def step():
+        return train_on_mini_batch(policy, optimizer, micro_batches, loss_config=loss_config, batch_info=batch_info,
+                                   temperature=1.0, vocab_size=mc.vocab_size, device=device, need_entropy=True)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = timed(step, device, args.warmup, args.repeats)
+    tokens = rows * seq
+    flops = train_flops_per_token(mc, seq) * tokens
+    achieved = flops / seconds / 1e12
+    backend = resolve_backend(args.backend)
+    setting = (f"{args.model} ({params / 1e6:,.1f}M params, {backend} spec, bf16), {args.micro_batches} x "
+               f"[{args.micro_batch_rows} x {seq}] tokens, fwd+bwd+Adam")
+    report.rows.append(Row("train step", setting, f"{achieved:.{1 if achieved >= 0.1 else 4}f} TFLOP/s ({seconds:.3f} s/step, "
+                           f"{tokens / seconds:,.0f} tok/s)", f"{peak_tflops:.0f} TFLOP/s" if peak_tflops else "n/a",
+                           pct(achieved, peak_tflops) + " MFU" if peak_tflops else "n/a"))
+    report.raw["train"] = dict(seconds=seconds, tokens=tokens, tflops=achieved, params=params, backend=backend,
+                               peak_memory=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+    del optimizer, policy, chunks
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ----- 2. log-prob kernels ---------------------------------------------------------------------
+def bench_logprob(args, device: torch.device, report: Report, peak_tbps: Optional[float]) -> None:
+    from megatron_grpo.ops.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
+
+    tokens, vocab = args.logprob_tokens, args.logprob_vocab
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(tokens, vocab, device=device, dtype=torch.bfloat16, generator=generator)
+    targets = torch.randint(vocab, (tokens,), device=device, generator=generator)
+    size = logits.numel() * logits.element_size()
+    raw = {}
+
+    def copy():
+        return logits.clone()
+
+    def forward():
+        with torch.no_grad():
+            return vocab_parallel_logprobs(logits, targets, tp_group=None)
+
+    def forward_backward():
+        x = logits.detach().requires_grad_(True)
+        logp, entropy = vocab_parallel_logprobs_and_entropy(x, targets, tp_group=None)
+        (logp.sum() + entropy.sum()).backward()
+        return x.grad
+
+    peak = f"{peak_tbps:.2f} TB/s" if peak_tbps else "n/a"
+    for name, fn, moved in (("device copy (clone)", copy, 2 * size),
+                            ("vocab_parallel_logprobs fwd", forward, size),
+                            ("logprobs+entropy fwd+bwd", forward_backward, 3 * size)):
+        seconds = timed(fn, device, args.warmup, args.repeats)
+        tbps = moved / seconds / 1e12
+        raw[name] = dict(seconds=seconds, bytes=moved, tbps=tbps)
+        report.rows.append(Row("log-prob kernels", f"{name}, [{tokens} x {vocab}] bf16",
+                               f"{bandwidth(tbps * 1e12)} ({seconds * 1e3:.2f} ms)", peak, pct(tbps, peak_tbps)))
+    copy_tbps = raw["device copy (clone)"]["tbps"]
+    for name in ("vocab_parallel_logprobs fwd", "logprobs+entropy fwd+bwd"):
+        report.rows.append(Row("log-prob kernels", f"{name} vs device copy", bandwidth(raw[name]["tbps"] * 1e12),
+                               bandwidth(copy_tbps * 1e12), pct(raw[name]["tbps"], copy_tbps)))
+    report.raw["logprob"] = raw
+    del logits, targets
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ----- 3. generation ---------------------------------------------------------------------------
+def bench_generation(args, device: torch.device, dtype: torch.dtype, report: Report, peak_tbps: Optional[float]) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_grpo.rollout.local import LocalEngine
+    from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
+
+    config = dict(hf_config(args.model, args.vocab_size))
+    model_type = config.pop("model_type")
+    config.pop("architectures")
+    hf = AutoConfig.for_model(model_type, **config)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf, dtype=dtype)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = args.gen_prompts * args.gen_n
+    engine = LocalEngine(model, None, device=device, eos_token_ids=[], max_batch_rows=max(rows, 1))
+    generator = torch.Generator().manual_seed(1)
+
+    def requests(count: int, new_tokens: int):
+        return [GenerationRequest(prompt_ids=torch.randint(hf.vocab_size, (args.gen_prompt_length,),
+                                                           generator=generator).tolist(),
+                                  sampling=SamplingParams(n=args.gen_n, temperature=1.0, max_new_tokens=new_tokens,
+                                                          seed=i), group_id=str(i)) for i in range(count)]
+
+    engine.generate(requests(args.gen_prompts, min(8, args.gen_new_tokens)))  # warm-up: kernels, allocator
+    batch = requests(args.gen_prompts, args.gen_new_tokens)
+    sync(device)
+    start = time.perf_counter()
+    samples = engine.generate(batch)
+    sync(device)
+    seconds = time.perf_counter() - start
+    generated = sum(len(s.response_ids) for s in samples)
+    weight_tbps = param_bytes * args.gen_new_tokens / seconds / 1e12
+    setting = (f"{args.model} HF {dtype_name(dtype)}, {args.gen_prompts} prompts x n={args.gen_n} "
+               f"({rows} rows), prompt {args.gen_prompt_length}, {args.gen_new_tokens} new tokens")
+    report.rows.append(Row("local engine generation", setting,
+                           f"{generated / seconds:,.0f} tok/s ({seconds:.1f} s)"))
+    report.rows.append(Row("local engine generation", "weight read per decode step (lower bound on HBM traffic)",
+                           bandwidth(weight_tbps * 1e12), f"{peak_tbps:.2f} TB/s" if peak_tbps else "n/a",
+                           pct(weight_tbps, peak_tbps)))
+    report.raw["generation"] = dict(seconds=seconds, generated=generated, rows=rows, param_bytes=param_bytes)
+    engine.close()
+    del engine, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# ----- main ------------------------------------------------------------------------------------
+DRY_RUN = dict(model="tiny", vocab_size=1024, micro_batch_rows=2, micro_batches=2, prompt_length=8,
+               response_length=8, logprob_tokens=64, logprob_vocab=2048, gen_prompts=2, gen_n=2,
+               gen_prompt_length=8, gen_new_tokens=4, warmup=1, repeats=2)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes; runs on CPU when there is no GPU")
+    parser.add_argument("--model", choices=sorted(QWEN3), default="qwen3-1.7b")
+    parser.add_argument("--vocab-size", type=int, default=None, help="override the model vocabulary (151936)")
+    parser.add_argument("--backend", choices=["auto", "local", "te"], default="auto", help="layer spec")
+    parser.add_argument("--micro-batch-rows", type=int, default=8)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--prompt-length", type=int, default=256)
+    parser.add_argument("--response-length", type=int, default=768)
+    parser.add_argument("--logprob-tokens", type=int, default=16384)
+    parser.add_argument("--logprob-vocab", type=int, default=151936)
+    parser.add_argument("--gen-prompts", type=int, default=64)
+    parser.add_argument("--gen-n", type=int, default=8)
+    parser.add_argument("--gen-prompt-length", type=int, default=256)
+    parser.add_argument("--gen-new-tokens", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the card (default: from its name)")
+    parser.add_argument("--peak-tbps", type=float, help="HBM peak in TB/s (default: from its name)")
+    parser.add_argument("--only", choices=["train", "logprob", "generation"], action="append",
+                        help="run only these sections (repeatable)")
+    parser.add_argument("--json", help="also write the table and raw numbers to this file")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        for key, value in DRY_RUN.items():
+            setattr(args, key, value)
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.dry_run:
+        print("bench_gpu.py: no CUDA device (torch.cuda.is_available() is False; torch "
+              f"{torch.__version__}). This benchmark measures a GPU; run it on a GPU node "
+              "(bash benchmarks/run_gpu_bench.sh), or pass --dry-run to check its code paths on CPU "
+              "with tiny shapes.", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16
+    name, peak_tflops, peak_tbps = device_peaks(device, args.peak_tflops, args.peak_tbps)
+    report = Report(device=name)
+    sections = args.only or ["train", "logprob", "generation"]
+    started = time.perf_counter()
+    if "train" in sections:
+        bench_train(args, device, dtype, report, peak_tflops)
+        print(f"train step done ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+    if "logprob" in sections:
+        bench_logprob(args, device, report, peak_tbps)
+        print(f"log-prob kernels done ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+    if "generation" in sections:
+        bench_generation(args, device, dtype, report, peak_tbps)
+        print(f"generation done ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+    report.raw["wall_seconds"] = time.perf_counter() - started
+    report.raw["versions"] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    print(report.markdown())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"table": report.markdown(), "raw": report.raw, "args": vars(args)}, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The benchmark scripts run end to end in their smoke modes and print their tables.
+
+bench_e2e --quick: ours always; the TRL side only where trl is importable (here or in
+build/bench-trl-venv, see benchmarks/README.md), otherwise that test is skipped saying so.
+bench_gpu: refuses to run without CUDA (exit 2, one clear message) and runs every section in
+--dry-run (tiny shapes, CPU)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import bench_e2e  # noqa: E402
+import bench_gpu  # noqa: E402
+
+
+def _run(*args: str, timeout: int = 540) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_bench_e2e_quick_ours(tmp_path):
+    out = tmp_path / "e2e.json"
+    proc = _run(str(BENCH / "bench_e2e.py"), "--quick", "--trl-python", "none", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| ours (megatron-grpo) |" in proc.stdout
+    assert "TRL side skipped" in proc.stdout
+    data = json.loads(out.read_text())
+    (ours,) = data["ours"]
+    assert data["trl"] == []
+    assert len(ours["iteration_seconds"]) == 2 and all(t > 0 for t in ours["iteration_seconds"])
+    # 4 prompts x n=4, each sample >= 1 response token and a prompt of > 5 tokens
+    assert all(tokens > 16 * 6 for tokens in ours["tokens"])
+    assert all(16 <= r <= 16 * 8 for r in ours["response_tokens"])
+    assert ours["peak_rss"] > 50 * 2**20
+    assert set(ours["phases"]) >= {"time/rollout", "time/train", "time/logprob", "time/sync"}
+
+
+@pytest.mark.slow
+def test_bench_e2e_quick_against_trl(tmp_path):
+    python = bench_e2e.find_trl_python(None)
+    if python is None:
+        pytest.skip("trl is not importable here nor in build/bench-trl-venv "
+                    "(python benchmarks/bench_e2e.py --setup-trl): TRL side not tested")
+    out = tmp_path / "e2e.json"
+    proc = _run(str(BENCH / "bench_e2e.py"), "--quick", "--trl-python", python, "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| **ours / TRL** |" in proc.stdout
+    data = json.loads(out.read_text())
+    (trl,) = data["trl"]
+    assert len(trl["iteration_seconds"]) == 2 and all(t > 0 for t in trl["iteration_seconds"])
+    assert all(16 <= r <= 16 * 8 for r in trl["response_tokens"])
+    assert trl["peak_rss"] > 50 * 2**20
+
+
+def test_bench_gpu_fails_fast_without_cuda():
+    if bench_gpu.torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    proc = _run(str(BENCH / "bench_gpu.py"), timeout=120)
+    assert proc.returncode == 2
+    assert "no CUDA device" in proc.stderr and "--dry-run" in proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.slow
+def test_bench_gpu_dry_run_prints_every_section(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = _run(str(BENCH / "bench_gpu.py"), "--dry-run", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for section in ("| train step |", "| log-prob kernels |", "| local engine generation |"):
+        assert section in proc.stdout
+    raw = json.loads(out.read_text())["raw"]
+    assert raw["train"]["tflops"] > 0 and raw["train"]["tokens"] == 2 * 2 * 16
+    assert raw["logprob"]["logprobs+entropy fwd+bwd"]["tbps"] > 0
+    assert raw["generation"]["generated"] == 2 * 2 * 4  # EOS disabled: every row decodes all tokens
+
+
+def test_train_flops_per_token_matches_hand_count():
+    from megatron_grpo.models import ModelConfig
+
+    mc = ModelConfig.from_hf(bench_gpu.hf_config("tiny", vocab_size=1024))
+    h, f, layers, heads, kv, hd, v = 64, 128, 2, 4, 2, 16, 1024
+    linear = layers * (h * heads * hd * 2 + 2 * h * kv * hd + 3 * h * f) + h * v
+    seq = 9
+    expected = 3 * (2 * linear + layers * 4 * heads * hd * (seq + 1) / 2)
+    assert bench_gpu.train_flops_per_token(mc, seq) == expected
+
+
+def test_peak_table_prefers_specific_names():
+    assert [p for p in bench_gpu.PEAKS if p[0] in "NVIDIA H200"][0][1:] == (989.0, 4.8)
+    assert [p for p in bench_gpu.PEAKS if p[0] in "NVIDIA GH200 480GB"][0][0] == "GH200"
+    assert [p for p in bench_gpu.PEAKS if p[0] in "NVIDIA A100-SXM4-80GB"][0][2] == 2.039
