@@ -1,0 +1,165 @@
+"""The tiny CPU recipe through slurm/grpo_tiny_cpu.sh -- the same launcher (slurm/lib/grpo_common.sh)
+as the GPU scripts -- on a REAL local Slurm (scripts/start_local_slurm.sh: munged, slurmctld and one
+slurmd per emulated node on this machine): `sbatch --wait` on one node with 2 tasks, and on 2
+emulated nodes with fake GPUs and 2 stand-in SGLang servers (a tiny HTTP /health stub), which
+checks engine steps, the health wait, the URLs handed to the trainer and that the exit trap stops
+every server. Asserts the job's exit code and that metrics.jsonl has every step.
+
+Needs root and the Slurm packages (scripts/install_test_deps.sh); skips with the reason otherwise.
+The cluster is (re)started with the settings each test needs; if it was not running before this
+module, it is stopped afterwards (scripts/stop_local_slurm.sh, by pid)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron_grpo.launch.env import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM_DIR = os.environ.get("SLURM_LOCAL_DIR", "/tmp/megatron-grpo-slurm")
+SLURM_CONF = f"{SLURM_DIR}/etc/slurm.conf"
+STEPS = 2
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def _skip_reason() -> str | None:
+    if shutil.which("sbatch") is None or shutil.which("slurmctld") is None:
+        return "Slurm is not installed (bash scripts/install_test_deps.sh installs it)"
+    if os.geteuid() != 0:
+        return "the local Slurm cluster needs root (munged, slurmd)"
+    return None
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "SBATCH_", "OMPI_", "PMI")) and k not in (
+               "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DRY_RUN", "GRPO_RUN_DIR")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["SLURM_CONF"] = SLURM_CONF
+    env["SLURM_LOCAL_DIR"] = SLURM_DIR
+    env.update(extra)
+    return env
+
+
+def _cluster_running() -> bool:
+    result = subprocess.run(["scontrol", "ping"], env=_env(), capture_output=True, text=True, timeout=30)
+    return result.returncode == 0 and "UP" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    was_running = os.path.exists(SLURM_CONF) and _cluster_running()
+
+    def start(nodes: int, gpus: int = 0) -> None:
+        result = subprocess.run(["timeout", "180", "bash", str(REPO / "scripts/start_local_slurm.sh")],
+                                env=_env(SLURM_LOCAL_NODES=str(nodes), SLURM_LOCAL_GPUS=str(gpus)),
+                                capture_output=True, text=True)
+        assert result.returncode == 0, f"start_local_slurm.sh failed:\n{result.stdout}\n{result.stderr}"
+
+    yield start
+    if not was_running:
+        subprocess.run(["timeout", "60", "bash", str(REPO / "scripts/stop_local_slurm.sh")], env=_env(),
+                       capture_output=True, text=True)
+
+
+def _sbatch(tmp_path: Path, sbatch_args: list[str], overrides: list[str], **env: str) -> Path:
+    """Runs slurm/grpo_tiny_cpu.sh with sbatch --wait; returns the run folder."""
+    cmd = ["timeout", "420", "sbatch", "--wait", f"--output={tmp_path}/slurm-%j.out", *sbatch_args,
+           str(REPO / "slurm/grpo_tiny_cpu.sh"), f"trainer.total_steps={STEPS}", "logging.console=false",
+           "logging.plot=false", *overrides]
+    result = subprocess.run(cmd, cwd=tmp_path, env=_env(OUTPUT_ROOT=str(tmp_path / "runs"), **env),
+                            capture_output=True, text=True)
+    runs = sorted((tmp_path / "runs").glob("grpo-tiny-cpu-*"))
+    details = [result.stdout, result.stderr] + [p.read_text() for p in tmp_path.glob("slurm-*.out")]
+    for run in runs:
+        details += [f"---- {p}\n{p.read_text()[-3000:]}" for p in sorted((run / "logs").glob("*.log"))]
+    assert result.returncode == 0, "job failed (rc %d):\n%s" % (result.returncode, "\n".join(details))
+    assert len(runs) == 1, details
+    return runs[0]
+
+
+def _assert_every_step(run: Path) -> None:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, STEPS + 1))
+
+
+def test_sbatch_tiny_cpu_one_node_two_tasks(slurm, tmp_path: Path) -> None:
+    slurm(nodes=1)
+    run = _sbatch(tmp_path, [], [])
+    _assert_every_step(run)
+    batch_log = (run / "logs/batch.log").read_text()
+    assert "trainer 1 node(s) x 2 task(s), 0 engine(s)" in batch_log
+    assert "--ntasks-per-node=2 --ntasks=2" in batch_log
+    assert (run / "logs/trainer-0.log").exists() and (run / "logs/trainer-1.log").exists()
+    assert "done: exit code 0" in batch_log
+    assert "rank 0/2 (local 0/2, slurm)" in (run / "logs/trainer-0.log").read_text()  # DP=2 via srun
+
+
+STUB_SERVER = textwrap.dedent('''
+    """Stands in for sglang.launch_server: records its pid and argv, answers GET /health."""
+    import argparse, os, sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host"); parser.add_argument("--port", type=int)
+    args, _ = parser.parse_known_args()
+    with open(os.path.join(os.environ["STUB_PID_DIR"], f"{os.getpid()}.pid"), "w") as f:
+        f.write(" ".join(sys.argv[1:]))
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    HTTPServer((args.host, args.port), Handler).serve_forever()
+''')
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_sbatch_two_nodes_with_engines_and_trap(slurm, tmp_path: Path) -> None:
+    slurm(nodes=2, gpus=2)
+    stub_dir, pid_dir = tmp_path / "stub", tmp_path / "pids"
+    stub_dir.mkdir(), pid_dir.mkdir()
+    (stub_dir / "stub_sglang_server.py").write_text(STUB_SERVER)
+    port = free_port()
+    run = _sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=2"],
+                  ["rollout.sglang.num_engines=2", "rollout.sglang.tp_size=1"],
+                  TASKS_PER_NODE="1", ENGINE_PLACEMENT="colocated", SGLANG_MODULE="stub_sglang_server",
+                  SGLANG_MODEL_PATH="/unused", SGLANG_PORT=str(port), SGLANG_STARTUP_TIMEOUT_S="120",
+                  STUB_PID_DIR=str(pid_dir),
+                  PYTHONPATH=os.pathsep.join([str(stub_dir), os.environ.get("PYTHONPATH", "")]))
+    _assert_every_step(run)
+    batch_log = (run / "logs/batch.log").read_text()
+    assert "on node1 node2" in batch_log and "trainer 2 node(s) x 1 task(s), 2 engine(s)" in batch_log
+    urls = [f"http://node1:{port}", f"http://node1:{port + 10}"]
+    assert f"healthy: {' '.join(urls)}" in batch_log
+    assert "rollout.sglang.urls=" in batch_log and all(u in batch_log for u in urls)
+    assert "stopped servers: sglang-0 sglang-1" in batch_log
+    servers = {int(p.stem): p.read_text() for p in pid_dir.glob("*.pid")}
+    assert len(servers) == 2, servers
+    assert sorted(a.split("--base-gpu-id ")[1].split()[0] for a in servers.values()) == ["0", "1"]
+    assert not [pid for pid in servers if _alive(pid)], "a server outlived the job"
+    ranks = sorted((run / "logs").glob("trainer-*.log"))
+    assert [p.name for p in ranks] == ["trainer-0.log", "trainer-1.log"]
+    assert "rank 0/2 (local 0/1, slurm)" in ranks[0].read_text()  # one task on each node
