@@ -16,7 +16,7 @@ from megatron_grpo.rollout.sglang.client import SGLangClient
 from megatron_grpo.rollout.sglang.engine import SGLangEngine
 from megatron_grpo.rollout.sglang.errors import (SGLangConnectionError, SGLangError, SGLangTimeoutError,
                                                  SGLangUnavailableError)
-from megatron_grpo.rollout.sglang.http import RetryPolicy, request_json
+from megatron_grpo.rollout.sglang.http_json import RetryPolicy, request_json
 from megatron_grpo.rollout.sglang.launcher import (RouterSettings, ServerSettings, router_command, server_command)
 from megatron_grpo.rollout.sglang.weight_sync import DiskTransport, EngineTarget
 from megatron_grpo.rollout.types import GenerationRequest, SamplingParams

@@ -14,7 +14,7 @@ from megatron_grpo.rollout.sglang.buckets import iter_buckets, tensor_bytes
 from megatron_grpo.rollout.sglang.client import SGLangClient
 from megatron_grpo.rollout.sglang.engine import SGLangEngine
 from megatron_grpo.rollout.sglang.errors import SGLangError
-from megatron_grpo.rollout.sglang.http import RetryPolicy
+from megatron_grpo.rollout.sglang.http_json import RetryPolicy
 from megatron_grpo.rollout.sglang.serialization import deserialize, flatten_bucket, serialize, unflatten_bucket
 from megatron_grpo.rollout.sglang.weight_sync import (DiskTransport, DistributedTransport, EngineTarget,
                                                       TensorTransport)

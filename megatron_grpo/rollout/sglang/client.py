@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from megatron_grpo.rollout.sglang.errors import SGLangError, SGLangUnavailableError
-from megatron_grpo.rollout.sglang.http import RetryPolicy, request_json
+from megatron_grpo.rollout.sglang.http_json import RetryPolicy, request_json
 from megatron_grpo.rollout.sglang.protocol import generate_payload, parse_generate_response
 from megatron_grpo.rollout.types import GenerationRequest, Sample
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_grpo.rollout.sglang.errors import SGLangError
-from megatron_grpo.rollout.sglang.http import request_json
+from megatron_grpo.rollout.sglang.http_json import request_json
 
 
 @dataclass(frozen=True)
