@@ -188,7 +188,7 @@ grpo_engine_cmd() {
     # --overlap: share the node with the trainer step (colocated) and the other engines; the
     # step gets all the node's GPUs (Slurm's default for steps) and --base-gpu-id picks them.
     GRPO_LAUNCH=(srun --overlap --nodes=1 --ntasks=1 --nodelist="$host" --cpus-per-task="$cpus"
-        --cpu-bind=none --job-name="sglang-$k" --output="$GRPO_LOG_DIR/sglang-$k-$host.log")
+        --cpu-bind=none --job-name="sglang-$k" --open-mode=append --output="$GRPO_LOG_DIR/sglang-$k-$host.log")
 }
 
 grpo_router_cmd() {
@@ -209,7 +209,7 @@ grpo_trainer_cmd() {
     local nodelist; nodelist=$(IFS=,; echo "${GRPO_TRAINER_NODES[*]}")
     GRPO_LAUNCH=(srun --nodes="$GRPO_TRAINER_NNODES" --ntasks-per-node="$GRPO_TASKS_PER_NODE"
         --ntasks="$GRPO_WORLD" --nodelist="$nodelist" --kill-on-bad-exit=1 --job-name=trainer
-        --output="$GRPO_LOG_DIR/trainer-%t.log")
+        --open-mode=append --output="$GRPO_LOG_DIR/trainer-%t.log")  # append: resubmissions share the run folder
     [ "$GRPO_PLACEMENT" = colocated ] && GRPO_LAUNCH+=(--overlap)
     [ -n "${SLURM_CPUS_PER_TASK:-}" ] && GRPO_LAUNCH+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
     return 0
