@@ -184,7 +184,7 @@ def test_sigkill_at_random_moments_always_resumes_from_newest_complete(tmp_path)
 
     ctx = _get_context()  # forkserver with torch + megatron imported: a trial starts in ~1 s
     rng = random.Random(8)
-    total_steps = 12
+    total_steps = 20
     root = tmp_path / "ckpt"
     overrides = [*FAST, f"trainer.total_steps={total_steps}", "checkpoint.save_interval=1", "checkpoint.keep_last=2",
                  f"checkpoint.save_dir={root}", f"logging.output_dir={tmp_path / 'out'}"]
@@ -193,14 +193,18 @@ def test_sigkill_at_random_moments_always_resumes_from_newest_complete(tmp_path)
         expected = _newest_complete(root)
         log_path = tmp_path / f"trial{trials}.log"
         proc = ctx.Process(target=_crash_trial, args=(str(log_path), overrides))
+        started = time.time()
         proc.start()
-        time.sleep(rng.uniform(2.0, 6.0))
-        saving = root.is_dir() and any(p.name.startswith(".tmp-") for p in root.iterdir())
+        time.sleep(rng.uniform(2.0, 7.0))
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its checkpoint writer processes
+        except ProcessLookupError:  # killed before it made its own process group
+            proc.kill()
         proc.join(30)
+        assert not proc.is_alive()
+        # a save this life had begun and not finished: the next life must not load it
+        saving = root.is_dir() and any(p.name.startswith(".tmp-") and p.stat().st_mtime >= started
+                                       for p in root.iterdir())
         text = log_path.read_text() if log_path.exists() else ""
         if "checkpoint:" not in text:
             continue  # killed before the trainer looked for checkpoints: not a trial
@@ -232,3 +236,4 @@ def test_sigkill_at_random_moments_always_resumes_from_newest_complete(tmp_path)
         for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/lr"):
             assert crashed[step][key] == record[key], (step, key)
     print(f"\ncrash test: {trials} kills, {killed_during_save} during a save; resumed from {resumed_from}")
+    assert killed_during_save >= 1  # the seed and delays were chosen so that some kills hit a save
