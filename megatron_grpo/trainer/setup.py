@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.config.schema import Config
-from megatron_grpo.errors import ConfigError
+from megatron_grpo.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,10 @@ def build_run(cfg: Config) -> Run:
     output_dir.mkdir(parents=True, exist_ok=True)
 
     model_dir = prepare_model_folder(cfg, output_dir)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = _load_prompts_checked(cfg, tokenizer)  # data errors stop every rank before any model is built
     model_config = ModelConfig.from_hf(model_dir, tensor_parallel=layout.tensor,
                                        vocab_multiple=cfg.model.make_vocab_size_divisible_by)
     chunks = build_model(model_config, layout, dtype=dtype)
@@ -118,23 +122,35 @@ def build_run(cfg: Config) -> Run:
         for chunk in reference:
             chunk.to(device)
 
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     run = Run(config=cfg, device=device, dtype=dtype, model_config=model_config, model_dir=model_dir,
               policy=policy, optimizer=optimizer, scheduler=scheduler, reference=reference, tokenizer=tokenizer)
     if run.is_main:
-        _build_rank0_parts(run)
+        _build_rank0_parts(run, prompts)
     run.total_steps = _broadcast_int(run.total_steps)
     return run
 
 
-def _build_rank0_parts(run: Run) -> None:
+def _load_prompts_checked(cfg: Config, tokenizer) -> tuple[list, list | None] | None:
+    """Rank 0 loads and encodes the prompts; its DataError / ConfigError is raised on every rank."""
+    prompts, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            prompts = load_prompts(cfg, tokenizer)
+        except (DataError, ConfigError) as exc:
+            error = exc
+    holder = [error]
+    dist.broadcast_object_list(holder, src=0)
+    if holder[0] is not None:
+        raise holder[0]
+    return prompts
+
+
+def _build_rank0_parts(run: Run, prompts: tuple[list, list | None]) -> None:
     from megatron_grpo.data.sampler import PromptSampler
     from megatron_grpo.rewards.runner import RewardRunner
 
     cfg = run.config
-    train_prompts, eval_prompts = load_prompts(cfg, run.tokenizer)
+    train_prompts, eval_prompts = prompts
     run.sampler = PromptSampler(train_prompts, batch_size=cfg.data.train_batch_size,
                                 seed=cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed,
                                 shuffle=cfg.data.shuffle)
