@@ -24,6 +24,7 @@ from tests.fake_sglang.fixtures import fake_server_settings, launch_fake_servers
 from tests.fake_sglang.server import weights_digest
 from tests.fake_sglang.tiny import char_tokenizer, save_tiny_model, tiny_model
 
+pytestmark = pytest.mark.slow  # most tests start fake server processes
 PARAMS = SamplingParams(n=2, max_new_tokens=10, seed=11)
 PROMPTS = [(5, 9, 11), (40, 41, 42, 43, 44, 45, 46)]
 
