@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# The test command: sets up ./.venv if missing, then runs the whole suite (slow tests included).
+# The test command: sets up ./.venv if missing, installs the system packages the Slurm/MPI tests
+# use (slurm, munge, openmpi, shellcheck; root only), starts a real single-node Slurm on localhost,
+# runs the whole suite (slow tests included), and stops the daemons again.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh dev
-exec .venv/bin/python -m pytest "$@"
+bash scripts/install_test_deps.sh
+bash scripts/start_local_slurm.sh || echo "local Slurm not started: the Slurm tests will skip"
+trap 'bash scripts/stop_local_slurm.sh >/dev/null 2>&1 || true' EXIT
+.venv/bin/python -m pytest "$@"

@@ -78,6 +78,9 @@ class LocalEngineConfig:
 class SGLangConfig:
     # Existing servers (or one router) to use; empty = launch `num_engines` servers ourselves.
     urls: list[str] = field(default_factory=list)
+    # A router already serving `urls` (e.g. started by the sbatch scripts): /generate goes there,
+    # weight updates still go to every engine directly.
+    router_url: Optional[str] = None
     num_engines: int = 1
     tp_size: int = 1  # GPUs per engine
     mem_fraction: float = 0.8  # --mem-fraction-static

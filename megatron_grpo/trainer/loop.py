@@ -76,6 +76,8 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
             batch = collect_rollout_batch(run.engine, lambda: next(run.sampler), run.tokenizer, run.rewards,
                                           rollout_settings(cfg), step, cfg.data.train_batch_size)
         batch = broadcast_batch(batch)
+    if run.is_main and cfg.rollout.engine == "sglang" and cfg.rollout.sglang.weight_sync == "tensor":
+        run.engine.release_memory()  # colocated: give the GPU to training; resumed by the weight sync
     metrics = dict(batch.metrics)
 
     # 2. this data-parallel rank's share, as micro-batches per mini-batch.

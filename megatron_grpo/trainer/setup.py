@@ -168,7 +168,9 @@ def build_engine(cfg: Config, model_dir: Path, device: torch.device):
 
         rows = cfg.rollout.local.max_batch_size or 256
         return LocalEngine.from_pretrained(model_dir, device=device, seed=cfg.trainer.seed, max_batch_rows=rows)
-    raise ConfigError(f"rollout.engine={cfg.rollout.engine}: only 'local' is wired into the trainer so far")
+    from megatron_grpo.trainer.sglang_setup import build_sglang_engine
+
+    return build_sglang_engine(cfg, model_dir, Path(cfg.logging.output_dir))
 
 
 def prepare_model_folder(cfg: Config, output_dir: Path) -> Path:

@@ -205,6 +205,7 @@ grpo_trainer_cmd() {
         for ((k = 0; k < ${#GRPO_ENGINE_HOST[@]}; k++)); do url_list+="${url_list:+,}\"$(grpo_engine_url "$k")\""; done
         overrides+=("rollout.sglang.urls=[$url_list]")
     fi
+    [ -n "${GRPO_SGLANG_ROUTER_URL:-}" ] && overrides+=("rollout.sglang.router_url=$GRPO_SGLANG_ROUTER_URL")
     GRPO_CMD=("$GRPO_PYTHON" -m megatron_grpo.train "$RECIPE" "${overrides[@]}" "${GRPO_ARGS[@]}")
     local nodelist; nodelist=$(IFS=,; echo "${GRPO_TRAINER_NODES[*]}")
     GRPO_LAUNCH=(srun --nodes="$GRPO_TRAINER_NNODES" --ntasks-per-node="$GRPO_TASKS_PER_NODE"

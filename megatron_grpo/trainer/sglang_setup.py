@@ -1,0 +1,99 @@
+"""rollout.engine=sglang: the recipe's rollout.sglang section -> servers, client, weight transport.
+
+Servers are either given (`rollout.sglang.urls`, e.g. started by the sbatch scripts) or launched
+here on this node (`num_engines` x `tp_size` GPUs, ports port, port+1, ...). Weights always go to
+every engine directly; a router, if any, only serves /generate.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from megatron_grpo.config.schema import Config
+from megatron_grpo.errors import ConfigError, MegatronGRPOError
+from megatron_grpo.testing.distributed import free_port
+
+
+class SGLangRolloutEngine:
+    """SGLangEngine plus the servers we launched (stopped on close)."""
+
+    def __init__(self, engine, launcher):
+        self._engine, self._launcher = engine, launcher
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def close(self) -> None:
+        try:
+            self._engine.close()
+        finally:
+            if self._launcher is not None:
+                self._launcher.shutdown()
+
+
+def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path, launcher_module: str = "sglang.launch_server"):
+    from megatron_grpo.rollout.sglang.client import SGLangClient
+    from megatron_grpo.rollout.sglang.engine import SGLangEngine
+    from megatron_grpo.rollout.sglang.http_json import RetryPolicy
+    from megatron_grpo.rollout.sglang.launcher import RouterSettings, ServerSettings, SGLangLauncher
+    from megatron_grpo.rollout.sglang.weight_sync import (DiskTransport, DistributedTransport, EngineTarget,
+                                                          TensorTransport)
+
+    s = cfg.rollout.sglang
+    api_key = None
+    if s.api_key_env:
+        api_key = os.environ.get(s.api_key_env)
+        if not api_key:
+            raise ConfigError(f"rollout.sglang.api_key_env={s.api_key_env}: that environment variable is not set")
+    launcher, router_url = None, None
+    if s.urls:
+        urls, router_url = list(s.urls), s.router_url
+    else:
+        servers = [ServerSettings(model_path=str(model_dir), tp_size=s.tp_size, mem_fraction_static=s.mem_fraction,
+                                  host=s.host, port=s.port + i, api_key=api_key,
+                                  enable_memory_saver=s.weight_sync == "tensor", extra_args=tuple(s.extra_args),
+                                  module=launcher_module)
+                   for i in range(s.num_engines)]
+        router = RouterSettings(host=s.host, port=s.router_port, policy=s.router_policy) if s.router else None
+        launcher = SGLangLauncher(servers=servers, log_dir=output_dir / "sglang_logs", router=router)
+        launcher.start()
+        try:
+            router_url = launcher.wait_healthy(timeout_s=s.startup_timeout_s)
+        except BaseException:
+            launcher.shutdown()
+            raise
+        urls = [server.url for server in servers]
+    client = SGLangClient(urls, concurrency=s.max_concurrency, timeout_s=s.request_timeout_s,
+                          retry=RetryPolicy(max_attempts=s.max_retries + 1), api_key=api_key)
+    targets = [EngineTarget(url, s.tp_size) for url in urls]
+    bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20
+    try:
+        if s.weight_sync == "distributed":
+            master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            transport = DistributedTransport(client, targets, master, free_port(),
+                                             backend="nccl" if torch.cuda.is_available() else "gloo",
+                                             bucket_bytes=bucket_bytes, timeout_s=s.weight_update_timeout_s)
+            transport.connect()
+        elif s.weight_sync == "disk":
+            transport = DiskTransport(client, targets, s.disk_sync_dir or output_dir / "weight_sync",
+                                      side_files_from=model_dir, timeout_s=s.weight_update_timeout_s)
+        else:
+            if len(targets) != 1 or s.tp_size != 1:
+                raise ConfigError("rollout.sglang.weight_sync=tensor (colocated CUDA IPC) is wired for one engine "
+                                  "with tp_size 1 so far; use weight_sync=distributed or disk")
+            transport = TensorTransport(client, targets[0], bucket_bytes=bucket_bytes,
+                                        timeout_s=s.weight_update_timeout_s)
+        generate_client = SGLangClient([router_url], timeout_s=s.request_timeout_s, api_key=api_key) \
+            if router_url else None
+        engine = SGLangEngine(client, transport, generate_client=generate_client)
+        health = engine.health()
+        if not health:
+            raise MegatronGRPOError(f"SGLang engines are not healthy at start: {health.detail}")
+    except BaseException:
+        client.close()
+        if launcher is not None:
+            launcher.shutdown()
+        raise
+    return SGLangRolloutEngine(engine, launcher)
