@@ -135,3 +135,23 @@ def test_torchrun_tp2_dp2_learns(tmp_path):
     records = _metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, 51))
     assert _reward_rise(records) >= 0.15, [round(r["reward/mean"], 3) for r in records]
+
+
+def test_full_activation_recompute_gives_the_same_step(tmp_path):
+    common = [*FAST, "trainer.total_steps=1"]
+    plain = run_distributed(_train_in_process, 1, ([*common, f"logging.output_dir={tmp_path / 'plain'}"],),
+                            timeout=300)[0][0]
+    recompute = run_distributed(_train_in_process, 1, ([*common, f"logging.output_dir={tmp_path / 'recompute'}",
+                                                        "model.recompute_granularity=full"],), timeout=300)[0][0]
+    for key in ("actor/loss", "actor/grad_norm", "actor/entropy"):
+        assert recompute[key] == pytest.approx(plain[key], rel=1e-6), key
+
+
+def test_settings_not_yet_wired_are_refused():
+    from megatron_grpo.config import load_config
+    from megatron_grpo.errors import ConfigError
+    from megatron_grpo.trainer.setup import reject_unwired_settings
+
+    reject_unwired_settings(load_config("tiny_cpu"))
+    with pytest.raises(ConfigError, match=r"algorithm\.use_kl_in_reward=True"):
+        reject_unwired_settings(load_config("tiny_cpu", ["algorithm.use_kl_in_reward=true"]))

@@ -11,6 +11,8 @@ right stage on every rank.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from megatron_grpo.errors import ConfigError
@@ -22,7 +24,17 @@ from megatron_grpo.models.spec import Backend, layer_spec, resolve_backend
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
-def transformer_config(model_config: ModelConfig, layout: ParallelLayout, dtype: torch.dtype = torch.float32):
+@dataclass(frozen=True)
+class Recompute:
+    """Activation recompute (megatron's recompute_granularity / method / num_layers)."""
+
+    granularity: str | None = None  # None | "selective" (core attention) | "full" (whole layers)
+    method: str | None = None       # "uniform" | "block", for granularity="full"
+    num_layers: int | None = None
+
+
+def transformer_config(model_config: ModelConfig, layout: ParallelLayout, dtype: torch.dtype = torch.float32,
+                       recompute: Recompute = Recompute()):
     """The megatron TransformerConfig of this model under `layout`."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -66,6 +78,9 @@ def transformer_config(model_config: ModelConfig, layout: ParallelLayout, dtype:
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
         batch_p2p_sync=on_gpu,
+        recompute_granularity=recompute.granularity,
+        recompute_method=recompute.method if recompute.granularity == "full" else None,
+        recompute_num_layers=recompute.num_layers if recompute.granularity == "full" else None,
     )
 
 
@@ -81,7 +96,8 @@ def current_layout(sequence_parallel: bool = False) -> ParallelLayout:
 
 
 def build_model(model_config: ModelConfig, layout: ParallelLayout | None = None, *,
-                dtype: torch.dtype = torch.float32, backend: Backend = "auto") -> list[torch.nn.Module]:
+                dtype: torch.dtype = torch.float32, backend: Backend = "auto",
+                recompute: Recompute = Recompute()) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage; one without VPP).
 
     bf16 chunks are wrapped in megatron's Float16Module (fp32 logits out), as megatron-LM does."""
@@ -90,7 +106,7 @@ def build_model(model_config: ModelConfig, layout: ParallelLayout | None = None,
     actual = current_layout(layout.sequence_parallel if layout else False)
     if layout is not None and layout != actual:
         raise ConfigError(f"build_model: layout {layout} differs from the initialised parallel state {actual}")
-    config = transformer_config(model_config, actual, dtype)
+    config = transformer_config(model_config, actual, dtype, recompute)
     spec = layer_spec(model_config, actual.context, backend)
     vp_stages = [None] if actual.virtual_pipeline is None else list(range(actual.virtual_pipeline))
     chunks = []

@@ -88,7 +88,8 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
         if old_logprobs_needed(cfg):
             _fill_logprobs(run, run.policy, mini_batches, "old_logprobs")
         if run.reference is not None:
-            _fill_logprobs(run, run.reference, mini_batches, "ref_logprobs")
+            with _on_device(run.reference, run.device, offloaded=cfg.ref.param_offload):
+                _fill_logprobs(run, run.reference, mini_batches, "ref_logprobs")
 
     # 4. ppo_epochs x mini-batch updates.
     loss_config = grpo_loss_config(cfg)
@@ -181,6 +182,20 @@ def evaluate_policy(run: Run) -> dict[str, float]:
     holder = [result]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
+
+
+@contextlib.contextmanager
+def _on_device(model_chunks, device: torch.device, offloaded: bool):
+    """Moves CPU-offloaded chunks to `device` for the duration of the block (ref.param_offload)."""
+    if offloaded:
+        for chunk in model_chunks:
+            chunk.to(device)
+    try:
+        yield
+    finally:
+        if offloaded:
+            for chunk in model_chunks:
+                chunk.to("cpu")
 
 
 class PhaseTimer:
