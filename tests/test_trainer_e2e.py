@@ -155,3 +155,23 @@ def test_settings_not_yet_wired_are_refused():
     reject_unwired_settings(load_config("tiny_cpu"))
     with pytest.raises(ConfigError, match=r"algorithm\.use_kl_in_reward=True"):
         reject_unwired_settings(load_config("tiny_cpu", ["algorithm.use_kl_in_reward=true"]))
+
+
+def test_eval_cli_scores_the_saved_checkpoint(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    common = ["tiny_cpu", f"logging.output_dir={tmp_path}", *FAST, "eval.n_samples=2", "eval.greedy=false",
+              "eval.pass_k=[1,2]"]
+    train = subprocess.run([sys.executable, "-m", "megatron_grpo.train", *common, "trainer.total_steps=2",
+                            "checkpoint.save_interval=2", "eval.interval=2"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr[-3000:]
+    trained = _metrics(tmp_path)[-1]
+    proc = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "eval", *common],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "eval" / "step_2.json").read_text())
+    assert result["step"] == 2
+    # Same weights, same seeded sampling: the eval of the checkpoint repeats the in-run eval.
+    assert result["eval/pass@1"] == trained["eval/pass@1"]
+    assert result["eval/pass@2"] == trained["eval/pass@2"]
+    assert len(_metrics(tmp_path)) == 2  # the training run's metrics are untouched

@@ -28,6 +28,7 @@ Plus two helpers for resuming megatron's DistributedOptimizer over torch.optim.A
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
@@ -37,6 +38,23 @@ import torch
 log = logging.getLogger(__name__)
 
 _applied = False
+_redirect_mode = None  # the active _CudaAllocationsToCpu, once apply_cpu_compat() ran
+
+
+@contextlib.contextmanager
+def cuda_redirect_paused():
+    """Suspends the device-redirecting TorchFunctionMode for code that never asks for CUDA (the
+    in-process HF rollout model): every torch call otherwise detours through Python (~10% of a
+    CPU GRPO step, see benchmarks/README.md). A no-op when the layer is not applied."""
+    mode = _redirect_mode
+    if mode is None:
+        yield
+        return
+    mode.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        mode.__enter__()
 
 
 def cpu_compat_needed() -> bool:
@@ -55,7 +73,9 @@ def apply_cpu_compat() -> bool:
     _patch_torch_cuda_functions()
     _patch_causal_mask()
     _patch_sequence_parallel_norms()
-    _CudaAllocationsToCpu().__enter__()  # left active for the life of the process
+    global _redirect_mode
+    _redirect_mode = _CudaAllocationsToCpu()
+    _redirect_mode.__enter__()  # left active for the life of the process
     _applied = True
     log.debug("megatron-core CPU compatibility layer applied")
     return True
@@ -171,14 +191,19 @@ def _called_from_megatron() -> bool:
     return frame is not None and "megatron/core" in frame.f_code.co_filename
 
 
+_REWRITTEN_CALLS = frozenset({"cuda", "to", "type"})
+
+
 class _CudaAllocationsToCpu(torch.overrides.TorchFunctionMode):
     """Redirects device="cuda" to CPU and fakes CUDA type strings for megatron's checks."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if not kwargs and name not in _REWRITTEN_CALLS:
+            return func(*args)  # the common case: nothing to redirect
         kwargs = kwargs or {}
         if _is_cuda_device(kwargs.get("device")):
             kwargs = dict(kwargs, device=torch.device("cpu"))
-        name = getattr(func, "__name__", "")
         if name == "cuda":
             return args[0]
         if name == "to" and len(args) > 1 and _is_cuda_device(args[1]):

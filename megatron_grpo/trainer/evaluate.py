@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+from megatron_grpo.launch.cpu import cuda_redirect_paused
 from megatron_grpo.rewards.runner import RewardRequest
 from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
 
@@ -30,7 +31,8 @@ def evaluate(run) -> dict[str, float]:
     prompts = run.eval_prompts
     requests = [GenerationRequest(prompt_ids=p.input_ids, sampling=sampling, group_id=str(i))
                 for i, p in enumerate(prompts)]
-    samples = run.engine.generate(requests)
+    with cuda_redirect_paused():
+        samples = run.engine.generate(requests)
     result = run.rewards.score([
         RewardRequest(prompt=prompts[int(s.group_id)].text,
                       response=run.tokenizer.decode(s.response_ids, skip_special_tokens=True),
@@ -44,3 +46,52 @@ def evaluate(run) -> dict[str, float]:
         if k <= e.n_samples:
             metrics[f"eval/pass@{k}"] = sum(pass_at_k(e.n_samples, c, k) for c in correct.values()) / len(correct)
     return metrics
+
+
+def main(argv=None) -> int:
+    """`megatron-grpo eval RECIPE [overrides]`: loads the run's checkpoint (checkpoint.resume: auto =
+    the newest complete one of the run, or a path) and evaluates it on data.val_files (or the
+    synthetic task's test split). Writes <output_dir>/eval/step_N.json and prints the metrics."""
+    import argparse
+    import dataclasses
+    import json
+    import os
+    from pathlib import Path
+
+    from megatron_grpo.config import load_config, validate
+    from megatron_grpo.errors import CheckpointError
+    from megatron_grpo.launch.env import discover_ranks
+
+    parser = argparse.ArgumentParser(prog="megatron-grpo eval", description=main.__doc__)
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.recipe, args.overrides)
+    validate(cfg, world_size=discover_ranks(os.environ).world_size)
+    if cfg.checkpoint.resume.strip() == "never":
+        raise CheckpointError("megatron-grpo eval needs a checkpoint: checkpoint.resume=auto or a path")
+
+    import torch.distributed as dist
+
+    from megatron_grpo.trainer.checkpoint import Checkpointer, checkpoint_root
+    from megatron_grpo.trainer.loop import evaluate_policy
+    from megatron_grpo.trainer.setup import build_run
+
+    out = Path(cfg.logging.output_dir) / "eval"
+    # Evaluate in a folder of its own: resuming must not touch the training run's metrics.
+    cfg = dataclasses.replace(
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, save_dir=str(checkpoint_root(cfg))),
+        logging=dataclasses.replace(cfg.logging, output_dir=str(out)))
+    run = build_run(cfg)
+    try:
+        step = Checkpointer(run).resume()
+        if step == 0:
+            raise CheckpointError(f"no complete checkpoint under {cfg.checkpoint.save_dir}")
+        metrics = evaluate_policy(run)
+    finally:
+        run.close()
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"step_{step}.json").write_text(json.dumps({"step": step, **metrics}, indent=2) + "\n")
+        print(json.dumps({"step": step, **metrics}), flush=True)
+    return 0

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron_grpo.algo import AdvantageConfig, compute_advantages, filter_zero_variance_groups
 from megatron_grpo.data.prompts import EncodedPrompt
 from megatron_grpo.errors import MegatronGRPOError
+from megatron_grpo.launch.cpu import cuda_redirect_paused
 from megatron_grpo.rewards.runner import RewardRequest, RewardRunner
 from megatron_grpo.rollout.engine import RolloutEngine
 from megatron_grpo.rollout.types import GenerationRequest, Sample, SamplingParams
@@ -57,7 +58,8 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
         start = time.perf_counter()
         requests = [GenerationRequest(prompt_ids=p.input_ids, sampling=_seeded(settings.sampling, step, rounds, i),
                                       group_id=f"{step}:{rounds}:{i}") for i, p in enumerate(prompts)]
-        samples = engine.generate(requests)
+        with cuda_redirect_paused():  # the local HF engine needs no megatron CPU shims
+            samples = engine.generate(requests)
         timings["time/rollout"] += time.perf_counter() - start
 
         start = time.perf_counter()
