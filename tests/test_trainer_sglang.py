@@ -67,3 +67,26 @@ def test_unreachable_server_names_the_url(tmp_path, policy_dir):
                                      "rollout.engine=sglang", f"rollout.sglang.urls=[{url}]",
                                      "rollout.sglang.weight_sync=disk", "rollout.sglang.max_retries=0",
                                      f"logging.output_dir={tmp_path}", "logging.console=false"],), timeout=300)
+
+
+@pytest.mark.slow
+def test_all_servers_dying_mid_run_checkpoints_then_fails(tmp_path, policy_dir):
+    from megatron_grpo.testing.distributed import DistributedChildError
+
+    # 8 prompts per step, one request each, round robin: each server dies on its 6th request (step 2).
+    settings = [fake_server_settings(policy_dir, extra_args=["--die-on-generate", "6"]) for _ in range(2)]
+    launcher = launch_fake_servers(tmp_path / "logs", settings)
+    try:
+        urls = [server.url for server in launcher.servers]
+        with pytest.raises(DistributedChildError) as failure:
+            run_distributed(_train, 2, ([
+                f"model.path={policy_dir}", "model.make_vocab_size_divisible_by=8", "rollout.engine=sglang",
+                f"rollout.sglang.urls=[{','.join(urls)}]", "rollout.sglang.weight_sync=disk",
+                "rollout.sglang.max_retries=1", "trainer.total_steps=4", "data.train_batch_size=8",
+                "actor.ppo_mini_batch_size=8", "rollout.n=4", f"logging.output_dir={tmp_path / 'run'}",
+                "logging.console=false", "logging.plot=false", "eval.interval=-1"],), timeout=600)
+        message = str(failure.value)
+        assert "RolloutFailure" in message and urls[0] in message and urls[1] in message
+        assert (tmp_path / "run" / "checkpoints" / "step_1" / "complete.json").is_file()
+    finally:
+        launcher.shutdown(grace_s=2)

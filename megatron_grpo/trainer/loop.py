@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_grpo.algo import AdvantageConfig, GlobalBatchInfo, GRPOLossConfig, PolicyLossConfig
 from megatron_grpo.config.schema import Config
+from megatron_grpo.errors import MegatronGRPOError
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.trainer.batching import MicroBatch
 from megatron_grpo.trainer.checkpoint import Checkpointer
@@ -45,7 +46,12 @@ def train(cfg: Config) -> Path:
         if cfg.eval.before_train and start == 0:
             logger.log(0, evaluate_policy(run))
         for step in range(start + 1, run.total_steps + 1):
-            metrics = grpo_step(run, step)
+            try:
+                metrics = grpo_step(run, step)
+            except RolloutFailure:
+                if step - 1 > start and not checkpoints.due(step - 1):
+                    checkpoints.save(step - 1)  # keep the finished steps, then fail cleanly
+                raise
             if cfg.eval.interval > 0 and (step % cfg.eval.interval == 0 or step == run.total_steps):
                 metrics.update(evaluate_policy(run))
             logger.log(step, metrics)
@@ -73,9 +79,14 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     with timer("rollout"):
         batch = None
         if run.is_main:
-            batch = collect_rollout_batch(run.engine, lambda: next(run.sampler), run.tokenizer, run.rewards,
-                                          rollout_settings(cfg), step, cfg.data.train_batch_size)
+            try:
+                batch = collect_rollout_batch(run.engine, lambda: next(run.sampler), run.tokenizer, run.rewards,
+                                              rollout_settings(cfg), step, cfg.data.train_batch_size)
+            except MegatronGRPOError as exc:  # e.g. every SGLang server gone: all ranks must stop
+                batch = RolloutFailure(str(exc))
         batch = broadcast_batch(batch)
+        if isinstance(batch, RolloutFailure):
+            raise batch
     if run.is_main and cfg.rollout.engine == "sglang" and cfg.rollout.sglang.weight_sync == "tensor":
         run.engine.release_memory()  # colocated: give the GPU to training; resumed by the weight sync
     metrics = dict(batch.metrics)
@@ -196,6 +207,10 @@ def _on_device(model_chunks, device: torch.device, offloaded: bool):
         if offloaded:
             for chunk in model_chunks:
                 chunk.to("cpu")
+
+
+class RolloutFailure(MegatronGRPOError):
+    """Generation failed on rank 0 (after the client's retries); raised on every rank."""
 
 
 class PhaseTimer:
