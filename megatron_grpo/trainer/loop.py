@@ -19,6 +19,7 @@ from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import MegatronGRPOError
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.trainer.batching import MicroBatch
+from megatron_grpo.trainer.flops import peak_flops_per_device, training_flops
 from megatron_grpo.trainer.checkpoint import Checkpointer
 from megatron_grpo.trainer.metrics import MetricsLogger, NullLogger, SinkOptions, plot_reward_curve
 from megatron_grpo.trainer.micro_batches import plan_micro_batches
@@ -128,6 +129,11 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     metrics["time/step"] = time.perf_counter() - step_start
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
     metrics["perf/tokens_per_s"] = tokens / metrics["time/step"]
+    per_device = training_flops(run.model_config, tokens * cfg.actor.ppo_epochs) / dist.get_world_size()
+    metrics["perf/train_tflops_per_device"] = per_device / metrics["time/train"] / 1e12
+    peak = peak_flops_per_device(run.device)
+    if peak:
+        metrics["perf/mfu"] = per_device / metrics["time/train"] / peak
     return metrics
 
 
