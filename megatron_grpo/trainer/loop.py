@@ -98,7 +98,10 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     # 3. old / reference log-probs (forward only, same micro-batches as the update).
     with timer("logprob"):
         if old_logprobs_needed(cfg):
-            _fill_logprobs(run, run.policy, mini_batches, "old_logprobs")
+            # Until the first update the policy is the one that sampled, so with one epoch the
+            # first mini-batch uses its own detached log-probs as "old"; only later ones need a pass.
+            first_needing_pass = 1 if cfg.actor.ppo_epochs == 1 else 0
+            _fill_logprobs(run, run.policy, mini_batches[first_needing_pass:], "old_logprobs")
         if run.reference is not None:
             with _on_device(run.reference, run.device, offloaded=cfg.ref.param_offload):
                 _fill_logprobs(run, run.reference, mini_batches, "ref_logprobs")
