@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The test command: sets up ./.venv if missing, installs the system packages the Slurm/MPI tests
-# use (slurm, munge, openmpi, shellcheck; root only), starts a real single-node Slurm on localhost,
-# runs the whole suite (slow tests included), and stops the daemons again.
+# use (slurm, munge, openmpi, shellcheck; root only) and TRL for the benchmark test, starts a real
+# single-node Slurm on localhost, runs the whole suite (slow tests included), and stops the daemons.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh dev
 bash scripts/install_test_deps.sh
+# TRL, for the side-by-side benchmark test, in its own venv layered on .venv (never changes .venv).
+.venv/bin/python benchmarks/bench_e2e.py --setup-trl > /dev/null
 bash scripts/start_local_slurm.sh || echo "local Slurm not started: the Slurm tests will skip"
 trap 'bash scripts/stop_local_slurm.sh >/dev/null 2>&1 || true' EXIT
 .venv/bin/python -m pytest "$@"
