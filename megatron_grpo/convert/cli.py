@@ -97,7 +97,7 @@ class _Distributed:
         self.owned = not dist.is_initialized()
         if self.owned:
             if "WORLD_SIZE" not in os.environ:
-                from megatron_grpo.testing.distributed import free_port
+                from megatron_grpo.launch.env import free_port
 
                 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
             backend = "nccl" if torch.cuda.is_available() else "gloo"

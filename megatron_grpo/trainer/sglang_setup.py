@@ -13,7 +13,7 @@ import torch
 
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError, MegatronGRPOError
-from megatron_grpo.testing.distributed import free_port
+from megatron_grpo.launch.env import free_port
 
 
 class SGLangRolloutEngine:
