@@ -86,7 +86,10 @@ def test_all_servers_dying_mid_run_checkpoints_then_fails(tmp_path, policy_dir):
                 "actor.ppo_mini_batch_size=8", "rollout.n=4", f"logging.output_dir={tmp_path / 'run'}",
                 "logging.console=false", "logging.plot=false", "eval.interval=-1"],), timeout=600)
         message = str(failure.value)
-        assert "RolloutFailure" in message and urls[0] in message and urls[1] in message
+        # Every rank stops with the rollout error, which names a server it could not reach (which
+        # one depends on the order the two servers died in).
+        assert "RolloutFailure" in message, message
+        assert "cannot reach the SGLang server" in message and any(url in message for url in urls), message
         assert (tmp_path / "run" / "checkpoints" / "step_1" / "complete.json").is_file()
     finally:
         launcher.shutdown(grace_s=2)
