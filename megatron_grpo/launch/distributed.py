@@ -103,3 +103,10 @@ def shutdown() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def broadcast_from_rank0(value: Any) -> Any:
+    """Every rank gets global rank 0's `value` (a small picklable object; others pass anything)."""
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]

@@ -36,13 +36,13 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_grpo.errors import CheckpointError
+from megatron_grpo.launch.distributed import broadcast_from_rank0
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +111,6 @@ def _agree(ok: bool, message: str) -> None:
     if failures:
         rank, first = failures[0]
         raise CheckpointError(first if dist.get_world_size() == 1 else f"rank {rank}: {first}")
-
-
-def _broadcast(value: Any) -> Any:
-    holder = [value]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
 
 
 # ----------------------------------------------------------------------------- state pieces
@@ -375,7 +369,7 @@ class Checkpointer:
                 candidates = _candidates(self.cfg)
             except CheckpointError as exc:
                 error = str(exc)
-        candidates, error = _broadcast((candidates, error))
+        candidates, error = broadcast_from_rank0((candidates, error))
         if error:
             raise CheckpointError(error)
         explicit = self.cfg.checkpoint.resume.strip() not in ("auto", "never")

@@ -17,13 +17,14 @@ import torch.distributed as dist
 from megatron_grpo.algo import AdvantageConfig, GlobalBatchInfo, GRPOLossConfig, PolicyLossConfig
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import MegatronGRPOError
+from megatron_grpo.launch.distributed import broadcast_from_rank0
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.trainer.batching import MicroBatch
 from megatron_grpo.trainer.flops import peak_flops_per_device, training_flops
 from megatron_grpo.trainer.checkpoint import Checkpointer
 from megatron_grpo.trainer.metrics import MetricsLogger, NullLogger, SinkOptions, plot_reward_curve
 from megatron_grpo.trainer.micro_batches import plan_micro_batches
-from megatron_grpo.trainer.rollout_phase import RolloutSettings, broadcast_batch, collect_rollout_batch
+from megatron_grpo.trainer.rollout_phase import RolloutSettings, collect_rollout_batch
 from megatron_grpo.trainer.setup import Run, build_run, old_logprobs_needed
 from megatron_grpo.trainer.signals import StopSignals
 from megatron_grpo.trainer.train_step import compute_logprobs, train_on_mini_batch
@@ -85,7 +86,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
                                               rollout_settings(cfg), step, cfg.data.train_batch_size)
             except MegatronGRPOError as exc:  # e.g. every SGLang server gone: all ranks must stop
                 batch = RolloutFailure(str(exc))
-        batch = broadcast_batch(batch)
+        batch = broadcast_from_rank0(batch)  # token ids and floats: small
         if isinstance(batch, RolloutFailure):
             raise batch
     if run.is_main and cfg.rollout.engine == "sglang" and cfg.rollout.sglang.weight_sync == "tensor":
@@ -198,10 +199,7 @@ def _mean_over_updates(updates: list[dict[str, float]]) -> dict[str, float]:
 def evaluate_policy(run: Run) -> dict[str, float]:
     from megatron_grpo.trainer.evaluate import evaluate
 
-    result = evaluate(run) if run.is_main else {}
-    holder = [result]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
+    return broadcast_from_rank0(evaluate(run) if run.is_main else None)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from megatron_grpo.algo import AdvantageConfig, compute_advantages, filter_zero_variance_groups
 from megatron_grpo.data.prompts import EncodedPrompt
@@ -135,9 +134,3 @@ def _response_stats(samples: list[Sample], max_new_tokens: int) -> dict[str, flo
         "response/truncation_ratio": sum(1 for s in samples if s.finish_reason == "length") / len(samples),
     }
 
-
-def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
-    """Every rank gets rank `src`'s batch (small: token ids and floats)."""
-    holder = [batch]
-    dist.broadcast_object_list(holder, src=src)
-    return holder[0]

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError, DataError
+from megatron_grpo.launch.distributed import broadcast_from_rank0
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ def build_run(cfg: Config) -> Run:
               policy=policy, optimizer=optimizer, scheduler=scheduler, reference=reference, tokenizer=tokenizer)
     if run.is_main:
         _build_rank0_parts(run, prompts)
-    run.total_steps = _broadcast_int(run.total_steps)
+    run.total_steps = int(broadcast_from_rank0(run.total_steps))
     return run
 
 
@@ -167,10 +168,9 @@ def _load_prompts_checked(cfg: Config, tokenizer) -> tuple[list, list | None] | 
             prompts = load_prompts(cfg, tokenizer)
         except (DataError, ConfigError) as exc:
             error = exc
-    holder = [error]
-    dist.broadcast_object_list(holder, src=0)
-    if holder[0] is not None:
-        raise holder[0]
+    error = broadcast_from_rank0(error)
+    if error is not None:
+        raise error
     return prompts
 
 
@@ -296,7 +296,3 @@ def _synthetic_kwargs(cfg: Config) -> dict:
     return {"task": cfg.data.task, **kwargs}
 
 
-def _broadcast_int(value: int) -> int:
-    holder = [value]
-    dist.broadcast_object_list(holder, src=0)
-    return int(holder[0])
