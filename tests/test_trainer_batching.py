@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from megatron_grpo.trainer.batching import TrainSample, balance_into_micro_batches, collate, response_values
+from megatron_grpo.trainer.batching import TrainSample, balance_into_micro_batches, collate
 from megatron_grpo.trainer.evaluate import pass_at_k
 from megatron_grpo.trainer.micro_batches import pad_to_common_shape, split_over_ranks
 
@@ -28,7 +28,8 @@ def test_collate_places_response_tokens_at_their_prediction_positions():
         predicted = mb.targets[row][mb.loss_mask[row]].tolist()
         assert predicted == sample.response_ids
         assert mb.advantages[row][mb.loss_mask[row]].tolist() == [sample.advantage] * len(sample.response_ids)
-        assert response_values(mb, mb.per_token["rollout_logprobs"])[row] == pytest.approx(sample.rollout_logprobs)
+        rollout = mb.per_token["rollout_logprobs"][row][mb.loss_mask[row]].tolist()
+        assert rollout == pytest.approx(sample.rollout_logprobs)
     assert int(mb.loss_mask.sum()) == 6
     assert mb.position_ids[1].tolist() == list(range(6))
 

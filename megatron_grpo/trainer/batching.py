@@ -8,6 +8,7 @@ with a causal mask, padding after a sequence cannot influence its valid position
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -43,9 +44,12 @@ class MicroBatch:
     # part of each row, but seq-mean modes and the global token count need the full counts.
     row_token_counts: torch.Tensor | None = None                      # [b] long
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.loss_mask.sum())
+    def map_positions(self, fn) -> "MicroBatch":
+        """A copy with `fn` applied to every per-position [b, s] tensor (row metadata kept)."""
+        return dataclasses.replace(
+            self, tokens=fn(self.tokens), position_ids=fn(self.position_ids), targets=fn(self.targets),
+            loss_mask=fn(self.loss_mask), advantages=fn(self.advantages),
+            per_token={name: fn(values) for name, values in self.per_token.items()})
 
 
 def balance_into_micro_batches(lengths: list[int], max_tokens: int, min_micro_batches: int = 1) -> list[list[int]]:
@@ -106,11 +110,3 @@ def collate(samples: list[TrainSample], indices: list[int], pad_to_multiple: int
                       advantages=advantages, per_token=per_token, sample_indices=list(indices),
                       row_token_counts=loss_mask.sum(-1))
 
-
-def response_values(micro_batch: MicroBatch, per_position: torch.Tensor) -> list[list[float]]:
-    """Inverse of collate for one per-position tensor [b, s]: the values at each row's response
-    tokens, in order (e.g. the log-probs of a forward-only pass, per sample)."""
-    out = []
-    for r in range(per_position.shape[0]):
-        out.append(per_position[r][micro_batch.loss_mask[r]].tolist())
-    return out

@@ -94,7 +94,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     metrics = dict(batch.metrics)
 
     # 2. this data-parallel rank's share, as micro-batches per mini-batch.
-    mini_batches = plan_micro_batches(batch.samples, cfg, run.model_config)
+    mini_batches = plan_micro_batches(batch.samples, cfg)
 
     # 3. old / reference log-probs (forward only, same micro-batches as the update).
     with timer("logprob"):

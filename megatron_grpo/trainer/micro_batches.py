@@ -7,6 +7,8 @@ pipeline's p2p buffers have a fixed shape.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megatron_grpo.config.schema import Config
@@ -24,7 +26,7 @@ def split_over_ranks(lengths: list[int], indices: list[int], num_ranks: int) -> 
     return [sorted(share) for share in shares]
 
 
-def plan_micro_batches(samples: list[TrainSample], cfg: Config, model_config=None) -> list[list[MicroBatch]]:
+def plan_micro_batches(samples: list[TrainSample], cfg: Config) -> list[list[MicroBatch]]:
     """This rank's micro-batches for each mini-batch of the step."""
     from megatron.core import parallel_state as ps
 
@@ -59,12 +61,9 @@ def plan_micro_batches(samples: list[TrainSample], cfg: Config, model_config=Non
 def split_for_context_parallel_rank(mb: MicroBatch) -> MicroBatch:
     """This CP rank's positions of every [b, s] tensor (megatron's load-balanced chunk order);
     row_token_counts keep the full-row counts."""
-    from megatron_grpo.ops.context_parallel import split_for_context_parallel as split
+    from megatron_grpo.ops.context_parallel import split_for_context_parallel
 
-    return MicroBatch(tokens=split(mb.tokens), position_ids=split(mb.position_ids), targets=split(mb.targets),
-                      loss_mask=split(mb.loss_mask), advantages=split(mb.advantages),
-                      per_token={k: split(v) for k, v in mb.per_token.items()}, sample_indices=mb.sample_indices,
-                      row_token_counts=mb.row_token_counts)
+    return mb.map_positions(split_for_context_parallel)
 
 
 def pad_to_common_shape(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
@@ -81,8 +80,6 @@ def _pad(mb: MicroBatch, rows: int, cols: int) -> MicroBatch:
         return out
 
     positions = torch.arange(cols).unsqueeze(0).expand(rows, cols).contiguous()
-    return MicroBatch(tokens=grow(mb.tokens), position_ids=positions, targets=grow(mb.targets),
-                      loss_mask=grow(mb.loss_mask), advantages=grow(mb.advantages),
-                      per_token={k: grow(v) for k, v in mb.per_token.items()}, sample_indices=mb.sample_indices,
-                      row_token_counts=torch.cat([mb.row_token_counts,
-                                                  torch.zeros(rows - mb.tokens.shape[0], dtype=torch.long)]))
+    extra_rows = torch.zeros(rows - mb.tokens.shape[0], dtype=torch.long)
+    return dataclasses.replace(mb.map_positions(grow), position_ids=positions,
+                               row_token_counts=torch.cat([mb.row_token_counts, extra_rows]))

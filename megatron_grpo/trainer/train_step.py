@@ -9,6 +9,7 @@ division of a 2-tuple loss by num_microbatches / cp_size.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -47,12 +48,8 @@ def _forward_step(loss_func, data_iterator, model):
 def _to_device(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:
     if device.type == "cpu":
         return micro_batch
-    return MicroBatch(tokens=micro_batch.tokens.to(device), position_ids=micro_batch.position_ids.to(device),
-                      targets=micro_batch.targets.to(device), loss_mask=micro_batch.loss_mask.to(device),
-                      advantages=micro_batch.advantages.to(device),
-                      per_token={k: v.to(device) for k, v in micro_batch.per_token.items()},
-                      sample_indices=micro_batch.sample_indices,
-                      row_token_counts=micro_batch.row_token_counts.to(device))
+    moved = micro_batch.map_positions(lambda tensor: tensor.to(device))
+    return dataclasses.replace(moved, row_token_counts=micro_batch.row_token_counts.to(device))
 
 
 def _run_schedule(model_chunks, micro_batches: list[MicroBatch], loss_func, forward_only: bool, device):
