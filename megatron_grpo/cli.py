@@ -32,6 +32,8 @@ COMMANDS: Mapping[str, Command] = MappingProxyType({
     "train": Command("megatron_grpo.trainer.main:main", "train with GRPO: train RECIPE [key.sub=value ...]"),
     "eval": Command("megatron_grpo.trainer.evaluate:main", "evaluate a checkpoint on the validation set"),
     "convert": Command("megatron_grpo.convert.cli:main", "convert checkpoints between HF and Megatron"),
+    "export": Command("megatron_grpo.convert.export_cli:main",
+                      "a training checkpoint -> HF folder: export RUN_DIR|CHECKPOINT_DIR [--step N] --out HF_DIR"),
 })
 
 

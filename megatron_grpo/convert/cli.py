@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_grpo.errors import CheckpointError, MegatronGRPOError
+from megatron_grpo.errors import CheckpointError, ConfigError, MegatronGRPOError
 
 EPILOG_HF_TO_MEGATRON = """examples:
   # one process; vocabulary padded for TP=8
@@ -50,33 +50,64 @@ def build_parser() -> argparse.ArgumentParser:
     h2m.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
     m2h = sub.add_parser("megatron-to-hf", help="megatron checkpoint (any TP/PP) -> HF folder",
                          epilog=EPILOG_MEGATRON_TO_HF, formatter_class=argparse.RawDescriptionHelpFormatter)
-    m2h.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder written by hf-to-megatron "
-                                                              "or by the trainer")
-    m2h.add_argument("--out", required=True, type=Path, help="output HF folder")
-    m2h.add_argument("--hf-reference", type=Path, default=None,
-                     help="HF folder whose config must match; its tokenizer files are copied")
-    m2h.add_argument("--tp", type=int, default=1, help="TP size to load with under torchrun")
-    m2h.add_argument("--pp", type=int, default=1, help="PP size to load with under torchrun")
-    m2h.add_argument("--max-shard-size", type=str, default="5GB", help="safetensors shard size, e.g. 5GB, 500MB")
-    m2h.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+    m2h.add_argument("--ckpt", required=True, type=Path, help=CHECKPOINT_HELP)
+    add_export_arguments(m2h)
     return parser
+
+
+CHECKPOINT_HELP = ("a hf-to-megatron checkpoint (or its model/), a training run folder, its checkpoints/, "
+                   "a step_N folder or its model_optim/")
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options `convert megatron-to-hf` and `export` share."""
+    parser.add_argument("--step", type=int, default=None,
+                        help="training step to export from a run / checkpoints folder (default: the newest "
+                             "complete one)")
+    parser.add_argument("--out", required=True, type=Path, help="output HF folder")
+    parser.add_argument("--hf-reference", type=Path, default=None,
+                        help="HF folder whose config.json and tokenizer files are used (a hf-to-megatron "
+                             "checkpoint's config must match it)")
+    parser.add_argument("--tp", type=int, default=1, help="TP size to load with under torchrun")
+    parser.add_argument("--pp", type=int, default=1, help="PP size to load with under torchrun")
+    parser.add_argument("--max-shard-size", type=str, default="5GB",
+                        help="safetensors shard size, e.g. 5GB, 500MB")
+    parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
 
 
 def parse_size(text: str) -> int:
     units = {"KB": 1024, "MB": 1024**2, "GB": 1024**3, "B": 1}
-    for unit, factor in units.items():
-        if text.upper().endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+    try:
+        for unit, factor in units.items():
+            if text.upper().endswith(unit):
+                return int(float(text[: -len(unit)]) * factor)
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 1000000") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.direction == "hf-to-megatron":
+        return run_tool(hf_to_megatron, args)
+    return run_tool(megatron_to_hf, args)
+
+
+# Deprecation notices torch prints from inside megatron's checkpoint loading, on every run.
+TOOL_KNOWN_WARNINGS = (r"`load_state_dict` is deprecated.*", r"Please use DTensor instead.*")
+
+
+def run_tool(function, args) -> int:
+    """Runs a conversion; a project error is one `error:` line on stderr and its exit code."""
+    import warnings
+
+    from megatron_grpo.trainer.main import quiet_known_warnings
+
+    quiet_known_warnings()  # megatron's TE / Apex fallback notices would bury the one line that matters
+    for pattern in TOOL_KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
     try:
-        if args.direction == "hf-to-megatron":
-            hf_to_megatron(args)
-        else:
-            megatron_to_hf(args)
+        function(args)
     except MegatronGRPOError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -130,13 +161,14 @@ def _layout_for(dist, tp: int, pp: int):
 def hf_to_megatron(args) -> Path:
     from megatron_grpo.convert.loader import load_hf_weights
     from megatron_grpo.convert.megatron_checkpoint import save_megatron_checkpoint
+    from megatron_grpo.convert.to_hf import check_layout_fits
     from megatron_grpo.convert.writer import hf_config_dtype
     from megatron_grpo.launch.parallel import initialize_model_parallel
     from megatron_grpo.models import ModelConfig, build_model
 
     _check_output(args.out, args.force)
     cfg = ModelConfig.from_hf(args.hf, tensor_parallel=args.tp, vocab_multiple=args.vocab_multiple)
-    cfg.check_tensor_parallel(args.tp)
+    check_layout_fits(cfg, args.tp, args.pp, f"{args.hf}/config.json")
     dtype = _DTYPES[args.dtype] if args.dtype != "auto" else (hf_config_dtype(cfg) or torch.float32)
     if dtype not in _DTYPES.values():
         raise CheckpointError(f"{args.hf}/config.json: dtype {dtype} cannot be stored; pass --dtype fp32 or bf16")
@@ -153,52 +185,26 @@ def hf_to_megatron(args) -> Path:
 
 
 def megatron_to_hf(args) -> Path:
-    from megatron_grpo.convert.export import gather_hf_weights_on_rank0
+    """`convert megatron-to-hf --ckpt PATH` and `export PATH`: any checkpoint sources.resolve_source
+    accepts, loaded at --tp x --pp under torchrun (TP=PP=1 in one process)."""
     from megatron_grpo.convert.loader import check_hf_config_matches
-    from megatron_grpo.convert.mappings import expected_hf_tensors
-    from megatron_grpo.convert.megatron_checkpoint import ASSETS_DIR, load_megatron_checkpoint
-    from megatron_grpo.convert.writer import HFWriter
+    from megatron_grpo.convert.sources import resolve_source
+    from megatron_grpo.convert.to_hf import check_layout_fits, export_checkpoint_to_hf
     from megatron_grpo.launch.parallel import initialize_model_parallel
-    from megatron_grpo.models import ModelConfig, build_model
 
     _check_output(args.out, args.force)
-    cfg = ModelConfig.load(args.ckpt)
-    if args.hf_reference is not None:
-        check_hf_config_matches(cfg, args.hf_reference)
-    assets = args.hf_reference if args.hf_reference is not None else args.ckpt / ASSETS_DIR
-    dtype = _stored_dtype(args.ckpt)
+    max_shard_bytes = parse_size(args.max_shard_size)
+    source = resolve_source(args.ckpt, step=args.step, hf_reference=args.hf_reference)
+    if args.hf_reference is not None and source.step is None:
+        check_hf_config_matches(source.model_config, args.hf_reference)
+    check_layout_fits(source.model_config, args.tp, args.pp, source.label)
     with _Distributed() as dist:
         layout = _layout_for(dist, args.tp, args.pp)
         initialize_model_parallel(layout)
-        chunks = build_model(cfg, layout, dtype=dtype)
-        load_megatron_checkpoint(chunks, args.ckpt, cfg)
-        stream = gather_hf_weights_on_rank0(chunks, cfg)
-        if dist.get_rank() != 0:
-            for _ in stream:
-                pass
-            return args.out
-        from tqdm import tqdm
-
-        with HFWriter(args.out, cfg, assets_dir=assets if assets.is_dir() else None,
-                      max_shard_bytes=parse_size(args.max_shard_size), overwrite=args.force) as writer:
-            for name, tensor in tqdm(stream, total=len(expected_hf_tensors(cfg)), desc="export HF", unit="tensor"):
-                writer.add(name, tensor)
-        print(f"wrote {args.out}")
+        export_checkpoint_to_hf(source, args.out, layout=layout, max_shard_bytes=max_shard_bytes,
+                                overwrite=args.force, assets_dir=args.hf_reference,
+                                progress=dist.get_rank() == 0)
+        if dist.get_rank() == 0:
+            what = f"step {source.step} of {source.label}" if source.step is not None else source.label
+            print(f"wrote {args.out} (from {what})")
     return args.out
-
-
-def _stored_dtype(ckpt: Path) -> torch.dtype:
-    """The dtype the checkpoint's tensors were saved in (from the torch_dist metadata)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from megatron_grpo.convert.megatron_checkpoint import WEIGHTS_DIR
-
-    metadata = ckpt / WEIGHTS_DIR / ".metadata"
-    if not metadata.is_file():
-        raise CheckpointError(f"{metadata}: not found; not a torch_dist checkpoint or incomplete")
-    meta = FileSystemReader(str(ckpt / WEIGHTS_DIR)).read_metadata()
-    dtypes = {md.properties.dtype for md in meta.state_dict_metadata.values() if hasattr(md, "properties")}
-    floats = dtypes & set(_DTYPES.values())
-    if len(floats) != 1:
-        raise CheckpointError(f"{metadata}: expected one float dtype among the weights, found {sorted(map(str, dtypes))}")
-    return floats.pop()

@@ -64,8 +64,6 @@ def load_megatron_checkpoint(model_chunks: Sequence[torch.nn.Module], ckpt_dir: 
                              cfg: ModelConfig | None = None) -> ModelConfig:
     """Loads weights saved by save_megatron_checkpoint into this rank's chunks. When `cfg` is given
     (the config the chunks were built from) it must describe the same network as the stored one."""
-    from megatron.core import dist_checkpointing
-
     ckpt_dir = Path(ckpt_dir)
     stored = ModelConfig.load(ckpt_dir)
     if cfg is not None:
@@ -73,14 +71,38 @@ def load_megatron_checkpoint(model_chunks: Sequence[torch.nn.Module], ckpt_dir: 
         if diff:
             raise CheckpointError(f"{ckpt_dir / MODEL_CONFIG_FILE}: the checkpoint's model differs from the "
                                   f"requested one in {diff}")
-    weights = ckpt_dir / WEIGHTS_DIR
-    if not (weights / "metadata.json").is_file():
-        raise CheckpointError(f"{weights}: no dist_checkpointing metadata.json; incomplete checkpoint?")
+    load_model_weights(model_chunks, ckpt_dir / WEIGHTS_DIR)
+    return stored
+
+
+def load_model_weights(model_chunks: Sequence[torch.nn.Module], weights_dir: str | Path) -> None:
+    """Loads the model tensors of a torch_dist folder into this rank's chunks, resharding from
+    whatever layout saved them. Reads only the model: the optimizer state of a training
+    checkpoint (model_optim/) stays on disk. Any failure, on any rank, is one CheckpointError."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_grpo.convert.sources import DIST_METADATA, check_shard_sizes, dcp_errors
+
+    weights = Path(weights_dir)
+    if not (weights / DIST_METADATA).is_file():
+        raise CheckpointError(f"{weights}: no dist_checkpointing {DIST_METADATA}; incomplete checkpoint?")
+    check_shard_sizes(weights)
     sharded = _sharded_state_dict(model_chunks)
     try:
         loaded = dist_checkpointing.load(sharded, str(weights))
-    except Exception as exc:  # megatron raises assorted errors for missing / mismatched shards
-        raise CheckpointError(f"{weights}: cannot load into this model ({type(exc).__name__}: {exc})") from None
+    except dcp_errors() as exc:  # megatron / torch DCP raise assorted errors for missing, cut or mismatched shards
+        raise CheckpointError(f"{weights}: cannot load into this model ({type(exc).__name__}: "
+                              f"{_first_line(exc)}); a shard file is missing, cut short or from another model") from None
     for key, chunk in zip(list(sharded), model_chunks):
         unwrap(chunk).load_state_dict(loaded[key])
-    return stored
+
+
+def _first_line(exc: BaseException) -> str:
+    """One line for an error whose text may hold whole tracebacks: DCP's CheckpointException
+    carries each failing rank's exception; the first one says what went wrong."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (inner, _trace) = next(iter(sorted(failures.items())))
+        return f"rank {rank}: {type(inner).__name__}: {_first_line(inner)}"
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0].strip() if lines else repr(exc)

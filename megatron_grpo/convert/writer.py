@@ -30,6 +30,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 ASSET_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
                "chat_template.json", "preprocessor_config.json")
+GENERATION_CONFIG = "generation_config.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -45,6 +46,13 @@ def copy_hf_assets(src: str | Path, dst: str | Path) -> list[str]:
     return copied
 
 
+def generation_config_from(cfg: ModelConfig) -> dict:
+    """What transformers' GenerationConfig.from_model_config keeps of config.json (special token
+    ids), for a source folder that had no generation_config.json."""
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+    return {"_from_model_config": True, **{k: cfg.hf_config[k] for k in keys if cfg.hf_config.get(k) is not None}}
+
+
 def hf_config_dtype(cfg: ModelConfig) -> torch.dtype | None:
     """The dtype config.json declares for the weights (transformers 5: 'dtype'; 4: 'torch_dtype')."""
     name = cfg.hf_config.get("dtype") or cfg.hf_config.get("torch_dtype")
@@ -53,6 +61,16 @@ def hf_config_dtype(cfg: ModelConfig) -> torch.dtype | None:
     if name not in _DTYPES:
         raise CheckpointError(f"config.json dtype {name!r} is not supported ({sorted(_DTYPES)})")
     return _DTYPES[name]
+
+
+def _default_permissions(folder: Path) -> None:
+    """mkdtemp makes the folder 0700 and safetensors its files 0600: give the exported model the
+    permissions of an ordinary folder (umask applied), so others on a shared cluster can read it."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for path in folder.iterdir():
+        os.chmod(path, 0o666 & ~umask)
 
 
 class HFWriter:
@@ -119,6 +137,9 @@ class HFWriter:
         (self._tmp / "config.json").write_text(json.dumps(self.cfg.hf_config, indent=2, sort_keys=True) + "\n")
         if self.assets_dir is not None:
             copy_hf_assets(self.assets_dir, self._tmp)
+        if not (self._tmp / GENERATION_CONFIG).is_file():
+            (self._tmp / GENERATION_CONFIG).write_text(json.dumps(generation_config_from(self.cfg), indent=2) + "\n")
+        _default_permissions(self._tmp)
         if self.out_dir.exists():
             shutil.rmtree(self.out_dir)
         os.replace(self._tmp, self.out_dir)

@@ -1,0 +1,227 @@
+"""Which Megatron weights a user-given path names, and the HF side (config, tokenizer) that goes
+with them. File reading only: no torch.distributed, so every rank resolves the same thing.
+
+Accepted paths (`export` and `convert megatron-to-hf --ckpt`):
+
+    <convert_ckpt>                 written by `convert hf-to-megatron` (megatron_grpo_model.json)
+    <convert_ckpt>/model           its torch_dist folder
+    <run>                          a training run folder (logging.output_dir, holding checkpoints/)
+    <run>/checkpoints              the checkpoint root (step_N/ folders, `latest`)
+    <run>/checkpoints/step_N       one training checkpoint (complete.json, model_optim/, config.yaml)
+    <run>/checkpoints/step_N/model_optim   its torch_dist folder
+
+With a run or checkpoint root, `step` picks step_N; without it the newest complete checkpoint
+is used (the one automatic resume would take). A training checkpoint holds no HF config: it comes
+from the run's model folder (<output_dir>/initial_model, or model.path of the recorded config), and
+the padded vocabulary size from the stored embedding's shape, so the checkpoint's TP size does not
+matter.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from megatron_grpo.convert.megatron_checkpoint import ASSETS_DIR, WEIGHTS_DIR
+from megatron_grpo.errors import CheckpointError
+from megatron_grpo.models.hf_config import MODEL_CONFIG_FILE, ModelConfig
+
+DIST_METADATA = "metadata.json"     # megatron dist_checkpointing's marker in a torch_dist folder
+EMBEDDING_KEY = "embedding.word_embeddings.weight"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_EXPECTED = ("expected a run folder (with checkpoints/), a checkpoints folder (step_N/), a step_N folder, "
+             "its model_optim/, or a `convert hf-to-megatron` checkpoint (megatron_grpo_model.json)")
+
+
+@dataclass(frozen=True)
+class MegatronSource:
+    """Megatron weights to export: a torch_dist folder and what describes them."""
+
+    weights_dir: Path            # torch_dist folder (model only, or model + optimizer)
+    model_config: ModelConfig    # padded vocab = the stored one
+    assets_dir: Path | None      # tokenizer files / generation_config.json to copy
+    label: str                   # for messages: "step 3 of /runs/a" or the checkpoint folder
+    step: int | None = None      # training step, None for a convert checkpoint
+
+
+def is_convert_checkpoint(path: str | Path) -> bool:
+    """A folder written by `convert hf-to-megatron` (or save_megatron_checkpoint)."""
+    return (Path(path) / MODEL_CONFIG_FILE).is_file()
+
+
+def resolve_source(path: str | Path, step: int | None = None, hf_reference: str | Path | None = None) -> MegatronSource:
+    """The MegatronSource `path` names (see the module doc); CheckpointError naming the path
+    and what was expected otherwise. For a training checkpoint, `hf_reference` (an HF folder)
+    replaces the run's model folder as the source of config.json and the tokenizer."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder; {_EXPECTED}")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a folder; {_EXPECTED}")
+    if is_convert_checkpoint(path):
+        return _convert_source(path, step)
+    if path.name == WEIGHTS_DIR and is_convert_checkpoint(path.parent):
+        return _convert_source(path.parent, step)
+    from megatron_grpo.trainer.checkpoint import MODEL_OPTIM_DIR
+
+    if path.name == MODEL_OPTIM_DIR and _STEP_DIR.match(path.parent.name):
+        return _step_source(path.parent, step, hf_reference)
+    if _STEP_DIR.match(path.name) and ((path / MODEL_OPTIM_DIR).exists() or (path / "complete.json").exists()):
+        return _step_source(path, step, hf_reference)
+    for root in (path, path / "checkpoints"):
+        if _step_folders(root):
+            return _step_source(_pick_step(root, step), step, hf_reference)
+    raise CheckpointError(f"{path}: not a checkpoint; {_EXPECTED}")
+
+
+def _convert_source(ckpt: Path, step: int | None) -> MegatronSource:
+    if step is not None:
+        raise CheckpointError(f"{ckpt}: --step {step} applies to training checkpoints; this is a "
+                              f"`convert hf-to-megatron` checkpoint (it has no steps)")
+    weights = ckpt / WEIGHTS_DIR
+    _require_torch_dist(weights)
+    assets = ckpt / ASSETS_DIR
+    return MegatronSource(weights, ModelConfig.load(ckpt), assets if assets.is_dir() else None, str(ckpt))
+
+
+def _step_folders(root: Path) -> dict[int, Path]:
+    if not root.is_dir():
+        return {}
+    return {int(m.group(1)): child for child in root.iterdir()
+            if (m := _STEP_DIR.match(child.name)) and child.is_dir()}
+
+
+def _pick_step(root: Path, step: int | None) -> Path:
+    from megatron_grpo.trainer.checkpoint import validate_checkpoint
+
+    steps = _step_folders(root)
+    if step is not None:
+        if step not in steps:
+            raise CheckpointError(f"{root}: no step_{step} (found {', '.join(f'step_{s}' for s in sorted(steps))})")
+        return steps[step]
+    problems = []
+    for number in sorted(steps, reverse=True):
+        problem = validate_checkpoint(steps[number])
+        if problem is None:
+            return steps[number]
+        problems.append(f"step_{number}: {problem}")
+    raise CheckpointError(f"{root}: no complete checkpoint ({'; '.join(problems)})")
+
+
+def _step_source(step_dir: Path, step: int | None, hf_reference: str | Path | None) -> MegatronSource:
+    from megatron_grpo.trainer.checkpoint import COMPLETE_MARKER, CONFIG_FILE, MODEL_OPTIM_DIR, validate_checkpoint
+
+    number = int(_STEP_DIR.match(step_dir.name).group(1))
+    if step is not None and step != number:
+        raise CheckpointError(f"{step_dir}: --step {step} contradicts the folder (step {number}); pass the run "
+                              f"or checkpoints folder to choose a step")
+    problem = validate_checkpoint(step_dir)
+    if problem:
+        raise CheckpointError(f"{step_dir}: not a complete checkpoint: {problem}")
+    weights = step_dir / MODEL_OPTIM_DIR
+    _require_torch_dist(weights)
+    recorded = _read_recorded_config(step_dir / CONFIG_FILE)
+    model_dir = Path(hf_reference) if hf_reference is not None else _run_model_folder(step_dir, recorded)
+    padded = stored_tensor_shapes(weights).get(EMBEDDING_KEY)
+    if padded is None:
+        raise CheckpointError(f"{weights}: no {EMBEDDING_KEY} among the stored tensors; not a model checkpoint")
+    if is_convert_checkpoint(model_dir):
+        hf_config, assets = ModelConfig.load(model_dir).hf_config, model_dir / ASSETS_DIR
+    else:
+        from megatron_grpo.models.hf_config import load_hf_config_dict
+
+        hf_config, assets = load_hf_config_dict(model_dir)[0], model_dir
+    cfg = ModelConfig.from_dict({"hf_config": hf_config, "padded_vocab_size": padded[0]},
+                                where=f"{model_dir} (model of {step_dir / COMPLETE_MARKER})")
+    return MegatronSource(weights, cfg, assets if assets.is_dir() else None, str(step_dir), number)
+
+
+def _read_recorded_config(path: Path) -> dict:
+    """The few keys of the run's resolved config we need, read as plain YAML (an older or newer
+    schema must not stop an export)."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise CheckpointError(f"{path}: cannot read the run's config ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: not a YAML mapping")
+    section = lambda name: data.get(name) if isinstance(data.get(name), dict) else {}  # noqa: E731
+    return {"model.path": section("model").get("path"), "output_dir": section("logging").get("output_dir"),
+            "save_dir": section("checkpoint").get("save_dir")}
+
+
+def _run_model_folder(step_dir: Path, recorded: dict) -> Path:
+    """The HF folder (or convert checkpoint) the run's policy was built from: the run's
+    initial_model/ (random init, or materialised from a convert checkpoint), else model.path."""
+    candidates = []
+    if recorded["save_dir"] is None and step_dir.parent.name == "checkpoints":
+        candidates.append(step_dir.parent.parent / "initial_model")  # the run folder, even if it was moved
+    if recorded["output_dir"]:
+        candidates.append(Path(recorded["output_dir"]) / "initial_model")
+    if recorded["model.path"]:
+        candidates.append(Path(recorded["model.path"]))
+    for candidate in candidates:
+        if (candidate / "config.json").is_file() or is_convert_checkpoint(candidate):
+            return candidate
+    tried = ", ".join(str(c) for c in candidates) or "nothing recorded"
+    raise CheckpointError(f"{step_dir}: cannot find the run's HF model folder for config.json and the tokenizer "
+                          f"(tried {tried}); pass --hf-reference HF_DIR")
+
+
+def _require_torch_dist(weights: Path) -> None:
+    if not (weights / DIST_METADATA).is_file() or not (weights / ".metadata").is_file():
+        raise CheckpointError(f"{weights}: not a complete torch_dist checkpoint (no {DIST_METADATA} / .metadata)")
+
+
+def dcp_errors() -> tuple[type[BaseException], ...]:
+    """What reading a torch_dist folder can raise: torch DCP's CheckpointException derives from
+    BaseException, so `except Exception` alone lets it through as a traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def _torch_dist_metadata(weights: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(str(weights)).read_metadata()
+    except dcp_errors() as exc:
+        raise CheckpointError(f"{weights / '.metadata'}: unreadable ({type(exc).__name__}: {exc})") from None
+
+
+def stored_tensor_shapes(weights: Path) -> dict[str, tuple[int, ...]]:
+    """Global shapes of the model tensors in a torch_dist folder (optimizer state left out)."""
+    meta = _torch_dist_metadata(weights)
+    return {key: tuple(md.size) for key, md in meta.state_dict_metadata.items()
+            if not key.startswith("optimizer.") and hasattr(md, "size")}
+
+
+def check_shard_sizes(weights: Path) -> None:
+    """Every .distcp file holds the bytes .metadata places in it for the model tensors (a copy or
+    download cut short otherwise fails deep inside torch's reader with a bare EOFError)."""
+    meta = _torch_dist_metadata(weights)
+    needed: dict[str, int] = {}
+    for index, info in (meta.storage_data or {}).items():
+        if not index.fqn.startswith("optimizer."):
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = weights / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: shard file missing (listed in {weights / '.metadata'})")
+        if path.stat().st_size < size:
+            raise CheckpointError(f"{path}: truncated shard file ({path.stat().st_size} bytes, {weights / '.metadata'} "
+                                  f"places data up to byte {size})")
+
+
+def stored_model_dtype(weights: Path):
+    """The one float dtype the model tensors were saved in."""
+    meta = _torch_dist_metadata(weights)
+    dtypes = {md.properties.dtype for key, md in meta.state_dict_metadata.items()
+              if not key.startswith("optimizer.") and hasattr(md, "properties")}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{weights / '.metadata'}: expected one dtype among the model tensors, found "
+                              f"{sorted(map(str, dtypes))}")
+    return dtypes.pop()

@@ -1,0 +1,113 @@
+"""Megatron weights -> an HF model folder: from a checkpoint on disk (`export`, `convert
+megatron-to-hf`), or from the live policy of a run (`write_hf_export`, for checkpoint.save_hf).
+
+Both are collectives over every rank of the current process group: each rank loads / holds its
+TP x PP shard, global rank 0 receives the full tensors one at a time and writes the folder
+(HFWriter: safetensors shards, config.json, tokenizer files, generation_config.json), atomically.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.convert.sources import MegatronSource, stored_model_dtype
+from megatron_grpo.convert.writer import DEFAULT_MAX_SHARD_BYTES, HFWriter
+from megatron_grpo.errors import CheckpointError, ConfigError
+from megatron_grpo.models.hf_config import ModelConfig
+
+HF_SUBDIR = "hf"  # <step_dir>/hf with checkpoint.save_hf=true
+
+
+def check_layout_fits(cfg: ModelConfig, tp: int, pp: int, where: str) -> None:
+    """The model splits over `tp` x `pp` ranks (megatron itself fails with a long assertion)."""
+    if pp < 1 or tp < 1:
+        raise ConfigError(f"--tp {tp} / --pp {pp}: expected integers >= 1")
+    if cfg.num_layers % pp:
+        raise ConfigError(f"--pp {pp}: {where} has {cfg.num_layers} layers (num_hidden_layers), which do not "
+                          f"divide into {pp} pipeline stages; pick a --pp that divides {cfg.num_layers}")
+    try:
+        cfg.check_tensor_parallel(tp)
+    except ConfigError as exc:
+        raise ConfigError(f"--tp {tp}: {where}: {exc}") from None
+
+
+def export_checkpoint_to_hf(source: MegatronSource, out: Path, *, layout, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                            overwrite: bool = False, assets_dir: Path | None = None, progress: bool = False) -> Path:
+    """Builds the model at `layout` (already initialised in megatron's parallel_state), loads the
+    model tensors of `source` (not the optimizer), and writes the HF folder `out` on rank 0."""
+    from megatron_grpo.convert.export import gather_hf_weights_on_rank0
+    from megatron_grpo.convert.megatron_checkpoint import load_model_weights
+    from megatron_grpo.models import build_model
+
+    cfg = source.model_config
+    chunks = build_model(cfg, layout, dtype=stored_model_dtype(source.weights_dir))
+    load_model_weights(chunks, source.weights_dir)
+    assets = assets_dir if assets_dir is not None else source.assets_dir
+    return write_hf_folder(gather_hf_weights_on_rank0(chunks, cfg), out, cfg, assets_dir=assets,
+                           max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress)
+
+
+def write_hf_export(run, step_dir: str | Path) -> Path:
+    """checkpoint.save_hf: writes <step_dir>/hf from the run's live policy (config.json, tokenizer
+    and generation config from the run's model folder). Call it on every rank, while step_dir is
+    the checkpoint's staging folder, so complete.json covers the files and the rename publishes
+    them with the step. Returns <step_dir>/hf (written by rank 0)."""
+    from megatron_grpo.convert.export import gather_hf_weights_on_rank0
+
+    out = Path(step_dir) / HF_SUBDIR
+    stream = gather_hf_weights_on_rank0(run.policy, run.model_config)
+    return write_hf_folder(stream, out, run.model_config, assets_dir=Path(run.model_dir), overwrite=True)
+
+
+def write_hf_folder(stream: Iterator[tuple[str, torch.Tensor]], out: Path, cfg: ModelConfig, *,
+                    assets_dir: Path | None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                    overwrite: bool = False, progress: bool = False) -> Path:
+    """Rank 0 writes the gathered tensors; every rank exhausts the stream. A write error on rank 0
+    (disk full...) is raised only after the stream is drained, so no peer is left blocked in a
+    send; the other ranks learn of it through an all-reduce and raise too."""
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        writer = None
+        try:
+            writer = HFWriter(out, cfg, assets_dir=assets_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+        except CheckpointError as exc:
+            failure = exc
+        items = stream
+        if progress:
+            from tqdm import tqdm
+
+            from megatron_grpo.convert.mappings import expected_hf_tensors
+
+            items = tqdm(stream, total=len(expected_hf_tensors(cfg)), desc="export HF", unit="tensor")
+        for name, tensor in items:
+            if failure is None:
+                try:
+                    writer.add(name, tensor)
+                except (CheckpointError, OSError) as exc:
+                    failure = exc
+        if writer is not None:
+            try:
+                writer.close() if failure is None else writer.abort()
+            except (CheckpointError, OSError) as exc:
+                failure = exc
+    else:
+        for _ in stream:
+            pass
+    _raise_everywhere(failure, out)
+    return out
+
+
+def _raise_everywhere(failure: BaseException | None, out: Path) -> None:
+    flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag)
+    if failure is not None:
+        if isinstance(failure, CheckpointError):
+            raise failure
+        raise CheckpointError(f"{out}: writing the HF folder failed ({type(failure).__name__}: {failure})")
+    if int(flag.item()):
+        raise CheckpointError(f"{out}: writing the HF folder failed on rank 0")
