@@ -211,6 +211,7 @@ class CheckpointConfig:
     keep_last: Optional[int] = None  # None = keep all (verl max_actor_ckpt_to_keep)
     resume: str = "auto"  # auto | never | a checkpoint folder
     async_save: bool = False
+    save_hf: bool = False  # also write <step_N>/hf: the policy as an HF folder (convert.to_hf.write_hf_export)
 
 
 @dataclass(frozen=True)
