@@ -21,17 +21,19 @@ from megatron_grpo.models.hf_config import ModelConfig
 HF_SUBDIR = "hf"  # <step_dir>/hf with checkpoint.save_hf=true
 
 
-def check_layout_fits(cfg: ModelConfig, tp: int, pp: int, where: str) -> None:
-    """The model splits over `tp` x `pp` ranks (megatron itself fails with a long assertion)."""
+def check_layout_fits(cfg: ModelConfig, tp: int, pp: int, where: str, names: tuple[str, str] = ("--tp", "--pp")) -> None:
+    """The model splits over `tp` x `pp` ranks; else one ConfigError naming the option (`names`)
+    and the model (`where`), instead of megatron's assertion deep in model building."""
+    tp_name, pp_name = names
     if pp < 1 or tp < 1:
-        raise ConfigError(f"--tp {tp} / --pp {pp}: expected integers >= 1")
+        raise ConfigError(f"{tp_name} {tp} / {pp_name} {pp}: expected integers >= 1")
     if cfg.num_layers % pp:
-        raise ConfigError(f"--pp {pp}: {where} has {cfg.num_layers} layers (num_hidden_layers), which do not "
-                          f"divide into {pp} pipeline stages; pick a --pp that divides {cfg.num_layers}")
+        raise ConfigError(f"{pp_name} {pp}: {where} has {cfg.num_layers} layers (num_hidden_layers), which do not "
+                          f"divide into {pp} pipeline stages; use a pipeline size that divides {cfg.num_layers}")
     try:
         cfg.check_tensor_parallel(tp)
     except ConfigError as exc:
-        raise ConfigError(f"--tp {tp}: {where}: {exc}") from None
+        raise ConfigError(f"{tp_name} {tp}: {where}: {exc}") from None
 
 
 def export_checkpoint_to_hf(source: MegatronSource, out: Path, *, layout, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,

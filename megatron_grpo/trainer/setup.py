@@ -208,8 +208,9 @@ def prepare_model_folder(cfg: Config, output_dir: Path) -> Path:
     model.override_config, tokenizer from model.tokenizer_path or the synthetic task) and saved
     under <output_dir>/initial_model, so every later step (Megatron loading, the rollout engine,
     conversion) works on real HF files."""
-    if cfg.model.path:
-        return Path(cfg.model.path)
+    if cfg.model.path:  # an HF folder, or a `convert hf-to-megatron` checkpoint (exported to initial_model/)
+        from megatron_grpo.convert.model_folder import hf_model_folder
+        return hf_model_folder(cfg.model.path, output_dir)
     target = output_dir / "initial_model"
     if dist.get_rank() == 0 and not (target / "config.json").is_file():
         _write_initial_model(cfg, target)
