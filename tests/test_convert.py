@@ -240,3 +240,81 @@ def test_checkpoint_config_must_match_reference(hf_models, tmp_path):
 
         check_hf_config_matches(ModelConfig.load(tmp_path / "mc"), hf_models["llama"])
     assert main(argv) == 1 and not (tmp_path / "x").exists()
+
+
+# ---- model.path = a convert checkpoint ------------------------------------------------------
+
+def _train_one_step_from(rank, world_size, overrides):
+    """Trains one step; returns (rank 0) the policy's HF tensors as build_run left them."""
+    from megatron_grpo.config import load_config, validate
+    from megatron_grpo.convert.export import gather_hf_weights_on_rank0
+    from megatron_grpo.trainer import loop
+
+    captured = {}
+    build_run = loop.build_run
+
+    def capture_run(cfg):
+        run = build_run(cfg)
+        captured["start"] = {name: t.clone() for name, t in gather_hf_weights_on_rank0(run.policy, run.model_config)}
+        return run
+
+    loop.build_run = capture_run
+    cfg = load_config("tiny_cpu", overrides)
+    validate(cfg, world_size=world_size)
+    loop.train(cfg)
+    return captured["start"]
+
+
+def _model_folder_twice(rank, world_size, ckpt, output_dir, reconvert_from):
+    """hf_model_folder on an up-to-date initial_model (kept), then after the checkpoint changed
+    (rebuilt). Returns the modification times and the rebuilt weights."""
+    from megatron_grpo.convert.cli import main
+    from megatron_grpo.convert.model_folder import hf_model_folder
+    from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
+
+    initialize_model_parallel(ParallelLayout())
+    weights = Path(output_dir) / "initial_model" / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    assert hf_model_folder(ckpt, output_dir) == Path(output_dir) / "initial_model"
+    kept = weights.stat().st_mtime_ns
+    assert main(["hf-to-megatron", "--hf", reconvert_from, "--out", ckpt, "--tp", "2", "--force"]) == 0
+    initialize_model_parallel(ParallelLayout())  # the tool tears its parallel state down
+    hf_model_folder(ckpt, output_dir)
+    return before, kept, weights.stat().st_mtime_ns, hf_tensors(weights.parent)
+
+
+@pytest.mark.slow
+def test_training_starts_from_a_convert_checkpoint_without_the_hf_weights(tmp_path):
+    from transformers import AutoTokenizer
+
+    from megatron_grpo.data.synthetic import build_tokenizer
+
+    tokenizer_dir = build_tokenizer(tmp_path / "tokenizer")
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    src = save_tiny_hf_model("qwen3", tmp_path / "hf", seed=4, vocab_size=vocab)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(src)
+    ckpt = tmp_path / "mc"
+    assert cli(["hf-to-megatron", "--hf", str(src), "--out", str(ckpt), "--tp", "2"]) == 0
+    original = hf_tensors(src)
+    (src / "model.safetensors").unlink()  # only the Megatron checkpoint holds the weights now
+
+    run_dir = tmp_path / "run"
+    overrides = ["data.max_response_length=8", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
+                 "rollout.n=4", "logging.console=false", "logging.plot=false", "trainer.total_steps=1",
+                 "model.override_config={}", f"model.path={ckpt}", "parallel.tensor=2",
+                 f"logging.output_dir={run_dir}"]
+    start = run_distributed(_train_one_step_from, 2, (overrides,), timeout=600)[0]
+    assert_same_tensors(original, start, "policy at start vs the converted HF model")
+    initial = run_dir / "initial_model"
+    assert_same_tensors(original, hf_tensors(initial), "initial_model/ exported from the checkpoint")
+    assert json.loads((initial / "megatron_source.json").read_text())["checkpoint"] == str(ckpt.resolve())
+    assert (initial / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
+
+    other = save_tiny_hf_model("qwen3", tmp_path / "other", seed=5, vocab_size=vocab)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(other)
+    before, kept, rebuilt, weights = run_distributed(_model_folder_twice, 1,
+                                                     (str(ckpt), str(run_dir), str(other)), timeout=300)[0]
+    assert kept == before  # same checkpoint: initial_model/ is reused
+    assert rebuilt != before  # the checkpoint changed: initial_model/ follows it
+    assert_same_tensors(hf_tensors(other), weights, "initial_model/ after the checkpoint changed")
