@@ -58,11 +58,10 @@ def policy_logits(run, tokens: list[int]) -> torch.Tensor | None:
     return outputs[0]["logits"]
 
 
-def _train_then_probe(rank, world_size, overrides, live_hf_dir):
+def _train_then_probe(rank, world_size, overrides, live_hf_dir, with_logits):
     """Trains the tiny recipe; then, with the trained policy still in memory, its logits on TOKENS
-    and write_hf_export of it (what checkpoint.save_hf calls) into live_hf_dir."""
-    from megatron.core import parallel_state
-
+    (with_logits; the probe feeds whole sequences, so not under context parallelism) and
+    write_hf_export of it (what checkpoint.save_hf calls) into live_hf_dir."""
     from megatron_grpo.config import load_config, validate
     from megatron_grpo.convert.to_hf import write_hf_export
     from megatron_grpo.trainer import loop
@@ -79,22 +78,28 @@ def _train_then_probe(rank, world_size, overrides, live_hf_dir):
     validate(cfg, world_size=world_size)
     loop.train(cfg)
     run = captured["run"]
-    logits = policy_logits(run, TOKENS)
+    logits = policy_logits(run, TOKENS) if with_logits else None
     written = write_hf_export(run, live_hf_dir)
-    return {"logits": logits, "tp_rank": parallel_state.get_tensor_model_parallel_rank(), "written": str(written)}
+    return {"logits": logits, "written": str(written)}
+
+
+def train_and_probe(root: Path, world_size: int, layout: list[str], with_logits: bool = True) -> dict:
+    """The tiny recipe trained 2 steps at `layout` (checkpoint at step 2), with the probes above."""
+    run_dir = root / "run"
+    overrides = [*TINY_FAST, "trainer.total_steps=2", "checkpoint.save_interval=2", *layout,
+                 f"logging.output_dir={run_dir}"]
+    results = run_distributed(_train_then_probe, world_size, (overrides, str(root / "live"), with_logits),
+                              timeout=600)
+    last_stage = [r["logits"] for r in results if r["logits"] is not None]
+    assert all(torch.equal(logits, last_stage[0]) for logits in last_stage)  # TP ranks of the last stage agree
+    return {"run": run_dir, "root": root, "logits": last_stage[0] if last_stage else None,
+            "live_hf": root / "live" / "hf"}
 
 
 @pytest.fixture(scope="module")
 def trained_tp2_pp2(tmp_path_factory):
-    """The tiny recipe trained 2 steps at TP=2 x PP=2 (4 gloo processes), checkpoint at step 2."""
-    root = tmp_path_factory.mktemp("export")
-    run_dir = root / "run"
-    overrides = [*TINY_FAST, "trainer.total_steps=2", "checkpoint.save_interval=2", "parallel.tensor=2",
-                 "parallel.pipeline=2", f"logging.output_dir={run_dir}"]
-    results = run_distributed(_train_then_probe, 4, (overrides, str(root / "live")), timeout=600)
-    last_stage = [r for r in results if r["logits"] is not None]
-    assert len(last_stage) == 2 and torch.equal(last_stage[0]["logits"], last_stage[1]["logits"])
-    return {"run": run_dir, "root": root, "logits": last_stage[0]["logits"], "live_hf": root / "live" / "hf"}
+    """Trained at TP=2 x PP=2 (4 gloo processes)."""
+    return train_and_probe(tmp_path_factory.mktemp("export"), 4, ["parallel.tensor=2", "parallel.pipeline=2"])
 
 
 @pytest.mark.slow
@@ -141,6 +146,22 @@ def test_save_hf_writes_the_same_folder_from_the_live_policy(trained_tp2_pp2):
     assert sorted(p.name for p in live.iterdir()) == sorted(p.name for p in out.iterdir())
     for path in out.iterdir():
         assert (live / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+@pytest.mark.slow
+def test_export_of_a_cp2_dp2_distributed_optimizer_run_is_the_live_policy(tmp_path):
+    """Context and data parallel replicas, the optimizer state sharded over DP: the one-process
+    export reads the model alone and equals what the trainer held, bitwise."""
+    trained = train_and_probe(tmp_path, 4, ["parallel.context=2", "parallel.use_distributed_optimizer=true"],
+                              with_logits=False)
+    out = tmp_path / "exported"
+    result = megatron_grpo("export", str(trained["run"] / "checkpoints"), "--step", "2", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    state = json.loads((trained["run"] / "checkpoints" / "step_2" / "trainer_state.json").read_text())
+    assert state["layout"] == {"world_size": 4, "tp": 1, "pp": 1, "cp": 2, "dp": 2}
+    live, exported = hf_tensors(trained["live_hf"]), hf_tensors(out)
+    assert sorted(live) == sorted(exported)
+    assert all(torch.equal(live[name], exported[name]) for name in live)
 
 
 @pytest.mark.slow
