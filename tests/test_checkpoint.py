@@ -152,7 +152,7 @@ class _Cfg:
 
 
 def test_auto_resume_skips_incomplete_and_corrupt_with_warnings(tmp_path, caplog):
-    from megatron_grpo.trainer.checkpoint import _candidates
+    from megatron_grpo.trainer.checkpoint import complete_checkpoints
 
     _fake_checkpoint(tmp_path, 1)
     _fake_checkpoint(tmp_path, 2)
@@ -161,7 +161,7 @@ def test_auto_resume_skips_incomplete_and_corrupt_with_warnings(tmp_path, caplog
     (_fake_checkpoint(tmp_path, 5) / "complete.json").write_text("{not json")  # corrupt marker
     (tmp_path / ".tmp-step_6").mkdir()                                         # interrupted save
     with caplog.at_level(logging.WARNING, logger="megatron_grpo.trainer.checkpoint"):
-        found = _candidates(_Cfg(tmp_path))
+        found = complete_checkpoints(_Cfg(tmp_path))
     assert [f.step for f in found] == [2, 1]
     text = caplog.text
     assert "step_5: complete.json is unreadable" in text
@@ -171,14 +171,14 @@ def test_auto_resume_skips_incomplete_and_corrupt_with_warnings(tmp_path, caplog
 
 
 def test_explicit_resume_path_must_be_complete(tmp_path):
-    from megatron_grpo.trainer.checkpoint import _candidates
+    from megatron_grpo.trainer.checkpoint import complete_checkpoints
 
     path = _fake_checkpoint(tmp_path, 3, marker=False)
     with pytest.raises(CheckpointError, match="step_3: not a complete checkpoint: no complete.json"):
-        _candidates(_Cfg(tmp_path, resume=str(path)))
+        complete_checkpoints(_Cfg(tmp_path, resume=str(path)))
     with pytest.raises(CheckpointError, match="no such checkpoint folder"):
-        _candidates(_Cfg(tmp_path, resume=str(tmp_path / "missing")))
-    assert _candidates(_Cfg(tmp_path, resume="never")) == []
+        complete_checkpoints(_Cfg(tmp_path, resume=str(tmp_path / "missing")))
+    assert complete_checkpoints(_Cfg(tmp_path, resume="never")) == []
 
 
 def test_latest_pointer_is_replaced_atomically(tmp_path):

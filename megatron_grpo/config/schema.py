@@ -209,7 +209,11 @@ class CheckpointConfig:
     save_dir: Optional[str] = None  # None = <logging.output_dir>/checkpoints
     save_interval: int = -1  # steps between saves; -1 = only when stopped by a signal (verl save_freq)
     keep_last: Optional[int] = None  # None = keep all (verl max_actor_ckpt_to_keep)
-    resume: str = "auto"  # auto | never | a checkpoint folder
+    # auto = the newest complete checkpoint of this run; force = the same, even when the folder
+    # was written by a run with another model / data / task / seed (trainer/run_folder.py);
+    # never = start fresh (refused in a folder that holds a run, unless logging.overwrite);
+    # or a checkpoint folder.
+    resume: str = "auto"
     async_save: bool = False
     save_hf: bool = False  # also write <step_N>/hf: the policy as an HF folder (convert.to_hf.write_hf_export)
 
@@ -226,6 +230,9 @@ class LoggingConfig:
     wandb_entity: Optional[str] = None
     wandb_mode: Literal["online", "offline"] = "online"
     plot: bool = False  # write a reward-curve PNG beside metrics.jsonl (needs matplotlib)
+    # checkpoint.resume=never into a folder that holds a run: move that run aside to
+    # <output_dir>.old-N (renamed, never deleted) instead of refusing.
+    overwrite: bool = False
 
 
 @dataclass(frozen=True)

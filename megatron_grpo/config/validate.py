@@ -204,7 +204,7 @@ def _checkpoint(c: Config, out: list[str]) -> None:
     if k.keep_last is not None and k.keep_last < 1:
         out.append(f"checkpoint.keep_last={k.keep_last} must be >= 1 or null (keep all)")
     if not k.resume.strip():
-        out.append("checkpoint.resume must be auto, never or a checkpoint folder (got an empty string)")
+        out.append("checkpoint.resume must be auto, force, never or a checkpoint folder (got an empty string)")
 
 
 def _trainer(c: Config, out: list[str]) -> None:

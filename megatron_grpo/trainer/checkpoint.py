@@ -4,11 +4,16 @@ Layout of one checkpoint (all of it is written under <save_dir>/.tmp-step_N, the
 
     <save_dir>/step_N/
       model_optim/          megatron dist_checkpointing (torch_dist): model chunks + optimizer
-                            (distributed optimizer as 'dp_reshardable': loads at another DP size;
-                            the model part loads at any TP/PP megatron can reshard to)
-      trainer_state.json    step, LR scheduler, sampler position, engine weight version, skip counters
+                            (the model part loads at any TP/PP/DP; the distributed optimizer's
+                            state in the format launch/mcore_compat.py asks for, recorded in
+                            trainer_state.json: 'fully_reshardable' loads at any layout,
+                            'dp_reshardable' only at the same TP x PP)
+      trainer_state.json    step, LR scheduler, sampler position, engine weight version, skip
+                            counters, layout and optimizer format
       rng/tp{t}-pp{p}-cp{c}-dp{d}.pt   python / numpy / torch / megatron-tracker RNG states of that rank
       config.yaml           the resolved config of the run that wrote it
+      run.json              what defines the run (trainer/run_folder.py)
+      hf/                   with checkpoint.save_hf: the policy as an HF folder
       complete.json         written last: the step and the size of every file above
     <save_dir>/latest       "step_N", replaced atomically (write a temp file, os.replace)
 
@@ -16,7 +21,9 @@ Crash safety: a crash before the rename leaves only a .tmp-step_N folder, which 
 (and removed by the next save); a crash after it leaves a complete step_N. Resume (auto) takes the
 newest step_N whose complete.json is valid and whose files all have the recorded sizes; any other
 is skipped with a warning that names it, and a checkpoint that megatron then fails to read is
-skipped the same way. Old checkpoints (keep_last) are renamed to .trash-step_N before deletion.
+skipped the same way. Whether a checkpoint belongs to this run, fits its model and data, and can
+be resharded to its layout is checked before anything is restored (trainer/resume_plan.py).
+Old checkpoints (keep_last) are renamed to .trash-step_N before deletion.
 
 Security: nothing here unpickles arbitrary objects. Our files are JSON, YAML and torch.load(...,
 weights_only=True); megatron's torch_dist files are read with torch's DCP, whose byte-object
@@ -40,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_grpo.errors import CheckpointError
 from megatron_grpo.launch.distributed import broadcast_from_rank0
@@ -53,7 +61,12 @@ CONFIG_FILE = "config.yaml"
 COMPLETE_MARKER = "complete.json"
 LATEST_FILE = "latest"
 RNG_DIR = "rng"
+RUN_FILE = "run.json"  # run_folder.RUN_FILE
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+MODEL_SPACE = "model_space"  # a non-distributed megatron optimizer: state keyed like the model
+LAYOUT_RESHARDABLE = ("fully_reshardable", MODEL_SPACE)  # optimizer formats that load at any TP/PP
+# torch DCP reports a failed collective read as CheckpointException, a BaseException.
+READ_ERRORS = (Exception, CheckpointException)
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -116,8 +129,10 @@ def _agree(ok: bool, message: str) -> None:
 # ----------------------------------------------------------------------------- state pieces
 
 
-def _sharded_state_dict(run, *, is_loading: bool) -> dict:
-    from megatron_grpo.launch.mcore_compat import optimizer_sharded_state_dict
+def _sharded_state_dict(run, *, is_loading: bool, optimizer_format: str | None = None) -> dict:
+    """Model chunks + optimizer as megatron sharded state dicts. Loading passes the format the
+    checkpoint's optimizer state was saved in."""
+    from megatron_grpo.launch import mcore_compat
     from megatron_grpo.models.builder import unwrap
 
     chunks = [unwrap(c) for c in run.policy]
@@ -126,9 +141,23 @@ def _sharded_state_dict(run, *, is_loading: bool) -> dict:
     else:  # megatron-LM's key names for virtual pipeline chunks
         state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     model_keys = list(state)
-    state["optimizer"] = optimizer_sharded_state_dict(_inner_optimizer(run.optimizer), dict(state),
-                                                      is_loading=is_loading)
+    # Only a checkpoint in another distributed format than the one saved now asks for it by name.
+    default = mcore_compat.DIST_OPTIMIZER_CKPT_METADATA["distrib_optim_sharding_type"]
+    other = {} if optimizer_format in (None, default, MODEL_SPACE) else {"sharding_type": optimizer_format}
+    state["optimizer"] = mcore_compat.optimizer_sharded_state_dict(_inner_optimizer(run.optimizer), dict(state),
+                                                                   is_loading=is_loading, **other)
     return state, model_keys
+
+
+def optimizer_format(optimizer_state: dict) -> str:
+    """The distributed optimizer's sharding type in a sharded optimizer state dict (per chained
+    optimizer, which all use the same), or MODEL_SPACE for a non-distributed optimizer."""
+    if "param_state_sharding_type" in optimizer_state:
+        return str(optimizer_state["param_state_sharding_type"])
+    for value in optimizer_state.values():
+        if isinstance(value, dict) and "param_state_sharding_type" in value:
+            return str(value["param_state_sharding_type"])
+    return MODEL_SPACE
 
 
 def _inner_optimizer(optimizer):
@@ -211,12 +240,13 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def _candidates(cfg) -> list[Found]:
-    """Rank 0: checkpoints to try, best first, after warning about every one that is skipped."""
+def complete_checkpoints(cfg) -> list[Found]:
+    """Rank 0: checkpoints to try (checkpoint.resume), best first, after warning about every one
+    that is skipped."""
     resume = cfg.checkpoint.resume.strip()
     if resume == "never":
         return []
-    if resume != "auto":
+    if resume not in ("auto", "force"):
         path = Path(resume)
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.resume={resume}: no such checkpoint folder")
@@ -281,6 +311,10 @@ class Checkpointer:
         try:
             state, _ = _sharded_state_dict(self.run, is_loading=False)
             dist_checkpointing.save(state, str(tmp / MODEL_OPTIM_DIR))
+            if self.cfg.checkpoint.save_hf:  # a collective: every rank sends its shards to rank 0
+                from megatron_grpo.convert.to_hf import write_hf_export
+
+                write_hf_export(self.run, tmp)
             coords = _rank_coordinates()
             buffer = _torch_bytes(rng_state())
             _write_file(tmp / RNG_DIR / _rng_file(coords), buffer)
@@ -288,11 +322,14 @@ class Checkpointer:
             for shard in (tmp / MODEL_OPTIM_DIR).glob(f"__{rank}_*"):
                 _fsync_path(shard)
             if rank == 0:
-                _write_file(tmp / TRAINER_STATE, json.dumps(self._trainer_state(step), indent=1).encode())
+                trainer_state = self._trainer_state(step, optimizer_format(state["optimizer"]))
+                _write_file(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1).encode())
                 from megatron_grpo.config import to_yaml
 
                 _write_file(tmp / CONFIG_FILE, to_yaml(self.cfg).encode())
-        except Exception as exc:  # noqa: BLE001 - turned into one CheckpointError on every rank
+                if self.run.record is not None:
+                    _write_file(tmp / RUN_FILE, (json.dumps(self.run.record, indent=1) + "\n").encode())
+        except READ_ERRORS as exc:  # noqa: BLE001 - turned into one CheckpointError on every rank
             ok, message = False, self._failure(step, exc)
         _agree(ok, message)
 
@@ -337,7 +374,7 @@ class Checkpointer:
             reason = f"folder not writable ({exc})"
         return f"saving checkpoint step {step} to {self.root} failed: {reason}; {kept}"
 
-    def _trainer_state(self, step: int) -> dict:
+    def _trainer_state(self, step: int, optimizer_format: str) -> dict:
         run = self.run
         guard = run.optimizer if hasattr(run.optimizer, "inner") else None
         return {
@@ -347,7 +384,9 @@ class Checkpointer:
             "sampler": run.sampler.state_dict() if run.sampler is not None else None,
             "engine_weight_version": run.engine.weight_version if run.engine is not None else step,
             "skipped_updates": guard.state_dict() if guard is not None else None,
-            "layout": {"world_size": dist.get_world_size(), **_layout()},
+            "layout": {"world_size": dist.get_world_size(), **_layout(),
+                       "vpp": self.cfg.parallel.virtual_pipeline},
+            "optimizer_format": optimizer_format,
         }
 
     def _prune(self) -> None:
@@ -360,62 +399,60 @@ class Checkpointer:
 
     # ----- resuming -----------------------------------------------------------------------------
     def resume(self) -> int:
-        """Restores the newest complete checkpoint (per checkpoint.resume) and pushes its weights
+        """Restores the best checkpoint of run.resume_plan (checked by resume_plan.py before the
+        model was built), applies this config's hyperparameters on top, and pushes the weights
         to the rollout engine. Returns the step it ended at (0 when starting fresh)."""
-        candidates = None
-        error = None
-        if dist.get_rank() == 0:
+        from megatron_grpo.trainer.resume_plan import explicit
+
+        for candidate in self.run.resume_plan:
             try:
-                candidates = _candidates(self.cfg)
+                step, version = self._load(candidate)
             except CheckpointError as exc:
-                error = str(exc)
-        candidates, error = broadcast_from_rank0((candidates, error))
-        if error:
-            raise CheckpointError(error)
-        explicit = self.cfg.checkpoint.resume.strip() not in ("auto", "never")
-        for found in candidates:
-            try:
-                step, version = self._load(found)
-            except CheckpointError as exc:
-                if explicit:
+                if explicit(self.cfg):
                     raise
                 if dist.get_rank() == 0:
-                    log.warning("checkpoint: skipping %s: %s", found.path, exc)
+                    log.warning("checkpoint: skipping %s: %s", candidate.path, exc)
                 continue
             from megatron_grpo.trainer.weight_sync import sync_weights
 
             sync_weights(self.run, version=version)
             if dist.get_rank() == 0:
-                log.info("checkpoint: resumed from %s (step %d)", found.path, step)
+                log.info("checkpoint: resumed from %s (step %d)", candidate.path, step)
+                if candidate.changes:
+                    log.info("checkpoint: changed since that checkpoint (the new values apply): %s",
+                             "; ".join(candidate.changes))
                 _trim_metrics(Path(self.cfg.logging.output_dir) / "metrics.jsonl", step)
             return step
-        if dist.get_rank() == 0 and self.cfg.checkpoint.resume.strip() == "auto":
+        if dist.get_rank() == 0 and self.cfg.checkpoint.resume.strip() in ("auto", "force"):
             log.info("checkpoint: no complete checkpoint under %s; starting from step 0", self.root)
             _trim_metrics(Path(self.cfg.logging.output_dir) / "metrics.jsonl", 0)  # a crashed earlier life's
         return 0
 
-    def _load(self, found: Found) -> tuple[int, int]:
+    def _load(self, candidate) -> tuple[int, int]:
+        """Reads everything first; the live model is modified only once every read succeeded."""
         from megatron.core import dist_checkpointing
 
         from megatron_grpo.launch.cpu import fix_torch_adam_step_after_load, prepare_torch_adam_for_load
         from megatron_grpo.models.builder import unwrap
+        from megatron_grpo.trainer.resume_plan import saved_optimizer_format
 
-        path = found.path
-        ok, message, trainer_state, rng = True, "", None, None
+        path, trainer_state = candidate.path, candidate.trainer_state
+        ok, message, rng = True, "", None
         try:
-            trainer_state = json.loads((path / TRAINER_STATE).read_text())
             rng = self._read_rng(path, trainer_state)
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:
-            ok, message = False, f"{type(exc).__name__}: {exc}"
+        except READ_ERRORS as exc:  # noqa: BLE001 - a damaged file: skippable
+            ok, message = False, f"{RNG_DIR}: {type(exc).__name__}: {exc}"
         _agree(ok, message)
 
         optimizer = _inner_optimizer(self.run.optimizer)
         prepare_torch_adam_for_load(optimizer)
-        state, model_keys = _sharded_state_dict(self.run, is_loading=True)
+        hyperparameters = _param_group_hyperparameters(optimizer)  # this config's, before the load
+        state, model_keys = _sharded_state_dict(self.run, is_loading=True,
+                                                optimizer_format=saved_optimizer_format(candidate))
         try:
             with _dcp_bytes_weights_only():
                 loaded = dist_checkpointing.load(state, str(path / MODEL_OPTIM_DIR))
-        except Exception as exc:  # noqa: BLE001 - megatron/DCP raise assorted errors for bad shards
+        except READ_ERRORS as exc:  # noqa: BLE001 - megatron/DCP raise assorted errors for bad shards
             ok, message = False, f"cannot read {path / MODEL_OPTIM_DIR} ({type(exc).__name__}: {exc})"
         _agree(ok, message)
 
@@ -425,9 +462,13 @@ class Checkpointer:
         with torch.no_grad():  # megatron copies into views of leaf parameters
             optimizer.load_state_dict(loaded["optimizer"])
         fix_torch_adam_step_after_load(optimizer)
-        self.run.scheduler.load_state_dict(trainer_state["scheduler"])
-        if self.run.sampler is not None and trainer_state.get("sampler") is not None:
-            self.run.sampler.load_state_dict(trainer_state["sampler"])
+        # The checkpoint brings the optimizer's state and the schedule's position; lr, betas, eps,
+        # weight decay and the schedule's shape come from this config (a changed lr applies).
+        for group, values in zip(optimizer.param_groups, hyperparameters):
+            group.update(values)
+        self.run.scheduler.step(increment=int(trainer_state["scheduler"]["num_steps"]))
+        if self.run.sampler is not None and candidate.sampler_state is not None:
+            self.run.sampler.load_state_dict(candidate.sampler_state)
         guard = self.run.optimizer if hasattr(self.run.optimizer, "inner") else None
         if guard is not None and trainer_state.get("skipped_updates"):
             guard.load_state_dict(trainer_state["skipped_updates"])
@@ -448,6 +489,11 @@ class Checkpointer:
             log.warning("checkpoint: %s has no RNG state for this layout (saved %s, now %s); RNG states start "
                         "fresh from trainer.seed", path, trainer_state.get("layout"), _layout())
         return None
+
+
+def _param_group_hyperparameters(optimizer) -> list[dict]:
+    """Every param group's settings except its parameters and Adam's step counter."""
+    return [{k: v for k, v in group.items() if k not in ("params", "step")} for group in optimizer.param_groups]
 
 
 def _layout() -> dict[str, int]:

@@ -6,15 +6,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from megatron_grpo.config.schema import Config
-from megatron_grpo.errors import ConfigError, DataError
+from megatron_grpo.errors import ConfigError, DataError, MegatronGRPOError
 from megatron_grpo.launch.distributed import broadcast_from_rank0
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,8 @@ class Run:
     sampler: Any = None
     eval_prompts: list | None = None
     total_steps: int = 0
+    record: dict | None = None   # what defines the run (run_folder.run_record), saved with each checkpoint
+    resume_plan: list = field(default_factory=list)  # checked checkpoints, best first (resume_plan.py)
 
     @property
     def is_main(self) -> bool:
@@ -108,6 +110,7 @@ def build_run(cfg: Config) -> Run:
     from megatron_grpo.models import ModelConfig, build_model, build_reference_model
     from megatron_grpo.models.builder import Recompute
     from megatron_grpo.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
+    from megatron_grpo.trainer.run_folder import run_record
     from megatron_grpo.trainer.signals import NonFiniteUpdateGuard
 
     reject_unwired_settings(cfg)
@@ -118,15 +121,20 @@ def build_run(cfg: Config) -> Run:
     initialize_model_parallel(layout, seed=cfg.trainer.seed)
     device, dtype = resolve_device(cfg)
     output_dir = Path(cfg.logging.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    # The folder's rules and the definitions of the checkpoints a resume may load, before
+    # initial_model/ is (re)built; every check of a resume happens before the policy is built.
+    candidates = on_rank0(check_run_folder, cfg)
 
     model_dir = prepare_model_folder(cfg, output_dir)
+    model_config = ModelConfig.from_hf(model_dir, tensor_parallel=layout.tensor,
+                                       vocab_multiple=cfg.model.make_vocab_size_divisible_by)
+    check_context_length(cfg, model_config, model_dir)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = _load_prompts_checked(cfg, tokenizer)  # data errors stop every rank before any model is built
-    model_config = ModelConfig.from_hf(model_dir, tensor_parallel=layout.tensor,
-                                       vocab_multiple=cfg.model.make_vocab_size_divisible_by)
+    record = run_record(cfg, model_config)
+    resume_plan = on_rank0(check_resume, cfg, candidates, record, prompts)
     recompute = Recompute(granularity=None if cfg.model.recompute_granularity == "none" else cfg.model.recompute_granularity,
                           method=cfg.model.recompute_method, num_layers=cfg.model.recompute_num_layers)
     chunks = build_model(model_config, layout, dtype=dtype, recompute=recompute)
@@ -153,11 +161,60 @@ def build_run(cfg: Config) -> Run:
                 chunk.to(device)
 
     run = Run(config=cfg, device=device, dtype=dtype, model_config=model_config, model_dir=model_dir,
-              policy=policy, optimizer=optimizer, scheduler=scheduler, reference=reference, tokenizer=tokenizer)
+              policy=policy, optimizer=optimizer, scheduler=scheduler, reference=reference, tokenizer=tokenizer,
+              record=record, resume_plan=resume_plan)
     if run.is_main:
         _build_rank0_parts(run, prompts)
     run.total_steps = int(broadcast_from_rank0(run.total_steps))
     return run
+
+
+def on_rank0(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) on global rank 0; every rank returns its result, or raises its project error."""
+    result, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = fn(*args)
+        except MegatronGRPOError as exc:
+            error = exc
+    result, error = broadcast_from_rank0((result, error))
+    if error is not None:
+        raise error
+    return result
+
+
+def check_run_folder(cfg: Config) -> list:
+    """Rank 0: run_folder's rules for logging.output_dir, then the checkpoints a resume may load,
+    each from a run with this run's definition (resume_plan.check_definitions)."""
+    from megatron_grpo.trainer.resume_plan import check_definitions
+    from megatron_grpo.trainer.run_folder import prepare_output_dir
+
+    prepare_output_dir(cfg)
+    return check_definitions(cfg)
+
+
+def check_resume(cfg: Config, candidates: list, record: dict, prompts) -> list:
+    """Rank 0: the candidates checked against the model and prompts this run built; then this
+    run's record is written to <output_dir>/run.json."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.trainer.resume_plan import check_restorable
+    from megatron_grpo.trainer.run_folder import write_run_record
+
+    layout = {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size()}
+    plan = check_restorable(cfg, candidates, record["shapes"], num_prompts=len(prompts[0]), layout=layout)
+    write_run_record(Path(cfg.logging.output_dir), record)
+    return plan
+
+
+def check_context_length(cfg: Config, model_config, model_dir: Path) -> None:
+    """A prompt plus its response must fit the model's context (positions beyond it are not
+    trained, and some kernels never finish on them)."""
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if longest > model_config.max_position_embeddings:
+        raise ConfigError(f"data.max_prompt_length + data.max_response_length = {cfg.data.max_prompt_length} + "
+                          f"{cfg.data.max_response_length} = {longest} tokens exceed the model's context of "
+                          f"{model_config.max_position_embeddings} (max_position_embeddings in {model_dir})")
 
 
 def _load_prompts_checked(cfg: Config, tokenizer) -> tuple[list, list | None] | None:
@@ -210,16 +267,41 @@ def prepare_model_folder(cfg: Config, output_dir: Path) -> Path:
     conversion) works on real HF files."""
     if cfg.model.path:  # an HF folder, or a `convert hf-to-megatron` checkpoint (exported to initial_model/)
         from megatron_grpo.convert.model_folder import hf_model_folder
-        return hf_model_folder(cfg.model.path, output_dir)
+        return hf_model_folder(_local_model_folder(cfg.model.path), output_dir)
     target = output_dir / "initial_model"
-    if dist.get_rank() == 0 and not (target / "config.json").is_file():
-        _write_initial_model(cfg, target)
-    dist.barrier()
+    on_rank0(_ensure_initial_model, cfg, target)
     return target
 
 
-def _write_initial_model(cfg: Config, target: Path) -> None:
+def _local_model_folder(value: str) -> Path:
+    """Rank 0 resolves model.path first (one hub download, its error on every rank); the others
+    then find it in the cache (or download to their node's)."""
+    from megatron_grpo.trainer.model_path import local_model_folder
+
+    path = on_rank0(local_model_folder, value)
+    return path if dist.get_rank() == 0 else local_model_folder(value)
+
+
+def _ensure_initial_model(cfg: Config, target: Path) -> None:
+    """Rank 0: builds initial_model/ unless it exists and was built from what this config asks
+    for (run_folder.initial_model_record: config, override_config, tokenizer, trainer.seed)."""
+    from megatron_grpo.trainer.run_folder import differences, initial_model_record, read_initial_model_record
+
+    wanted, found = initial_model_record(cfg), read_initial_model_record(target)
+    if found == wanted and (target / "config.json").is_file():
+        return
+    if target.exists():
+        changed = "; ".join(differences(found, wanted)) if found else "it records nothing"
+        log.info("initial model: rebuilding %s (%s)", target, changed)
+    _write_initial_model(cfg, target, wanted)
+
+
+def _write_initial_model(cfg: Config, target: Path, record: dict) -> None:
+    import json
+
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_grpo.trainer.run_folder import INIT_RECORD
 
     tokenizer_dir = target.with_name("synthetic_tokenizer")
     if cfg.model.tokenizer_path:
@@ -256,7 +338,14 @@ def _write_initial_model(cfg: Config, target: Path) -> None:
         shutil.rmtree(tmp)  # left by an interrupted earlier run
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    (tmp / INIT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    old = target.with_name(target.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)  # left by an interrupted earlier rebuild
+    if target.exists():
+        target.rename(old)  # derived from the config alone: rebuilt, so the old copy can go
     tmp.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_prompts(cfg: Config, tokenizer) -> tuple[list, list | None]:

@@ -1,0 +1,68 @@
+"""model.path -> a local model folder, or one clear error: a local HF folder (config.json), a
+`convert hf-to-megatron` checkpoint, or a Hugging Face hub id, fetched into (or found in) the hub
+cache before anything reads it."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megatron_grpo.errors import ConfigError
+
+# What the trainer, its tokenizer and the rollout engine read from a hub snapshot (not *.bin /
+# *.pth duplicates of the weights, which some repositories also carry).
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+_EXPECTED = ("expected an HF model folder (config.json + *.safetensors), a `megatron-grpo convert "
+             "hf-to-megatron` checkpoint, or a Hugging Face hub id")
+
+
+def local_model_folder(value: str) -> Path:
+    """The local folder model.path names; a hub id is downloaded (or found in the cache)."""
+    from megatron_grpo.convert.sources import is_convert_checkpoint
+
+    path = Path(value).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file() or is_convert_checkpoint(path):
+            return path
+        what = "is empty" if not any(path.iterdir()) else "has no config.json"
+        raise ConfigError(f"model.path={value}: the folder {what}; {_EXPECTED}")
+    if path.exists():
+        raise ConfigError(f"model.path={value} is a file; {_EXPECTED}")
+    if not _is_repo_id(value):
+        raise ConfigError(f"model.path={value}: no such folder; {_EXPECTED}")
+    return _hub_snapshot(value)
+
+
+def _is_repo_id(value: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if value.startswith((".", "~", os.sep)):
+        return False
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as exc:  # noqa: BLE001 - huggingface_hub raises many kinds; one line for all
+        raise ConfigError(f"model.path={repo_id}: no such local folder, and the Hugging Face hub could not "
+                          f"provide it ({_hub_reason(exc)})") from None
+
+
+def _hub_reason(exc: Exception) -> str:
+    from huggingface_hub import constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        return f"HF_HUB_OFFLINE=1 and it is not in the cache {constants.HF_HUB_CACHE}"
+    if isinstance(exc, GatedRepoError):
+        return "a gated model: accept its license on the hub and log in (`hf auth login`)"
+    if isinstance(exc, RepositoryNotFoundError):
+        return "no such model on the hub, or a private one (log in with `hf auth login`)"
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first_line}"

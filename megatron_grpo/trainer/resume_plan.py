@@ -1,0 +1,210 @@
+"""Which checkpoint a run continues from, checked completely before anything is restored.
+
+Rank 0 runs two checks from setup.build_run, both before the policy is built:
+  1. check_definitions, before initial_model/ is (re)built: every complete checkpoint the resume
+     may load must come from a run with the same definition (run_folder.DEFINING_KEYS: model,
+     data, task, seeds). A difference is a RunFolderError naming the keys (exit 2) unless
+     checkpoint.resume=force.
+  2. check_restorable, once the model config and the prompts are known: the model's
+     layout-independent shapes (never forceable: the weights would not fit), the prompt sampler
+     (same prompts and seed; a changed data.train_batch_size continues at the same prompt), and
+     whether the optimizer state can be resharded to this layout. What else changed (lr, clip,
+     KL, batch sizes, layout) is listed; the resume applies the new values and logs the list.
+The result, a list of checked Candidates, is what Checkpointer.resume loads (trainer/checkpoint.py).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_grpo.config.schema import Config
+from megatron_grpo.errors import CheckpointError
+from megatron_grpo.trainer import checkpoint as ckpt
+from megatron_grpo.trainer.run_folder import (
+    DEFINING_KEYS,
+    RUN_FILE,
+    RunFolderError,
+    differences,
+    flat_config,
+    run_definition,
+)
+
+log = logging.getLogger(__name__)
+
+# Changes that are not worth a line in the resume log.
+_UNLOGGED_PREFIXES = ("logging.", "checkpoint.resume")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    path: Path
+    step: int
+    trainer_state: dict
+    saved_config: dict            # the checkpoint's config.yaml, as plain dicts
+    record: dict | None           # its run.json; None for checkpoints written before run records
+    sampler_state: dict | None = None   # what the sampler continues from (None: from the start)
+    changes: tuple[str, ...] = ()       # settings that differ from the saving run's
+
+
+def forcing(cfg: Config) -> bool:
+    return cfg.checkpoint.resume.strip() == "force"
+
+
+def explicit(cfg: Config) -> bool:
+    return cfg.checkpoint.resume.strip() not in ("auto", "force", "never")
+
+
+# ----------------------------------------------------------------------------- 1. definitions
+
+
+def check_definitions(cfg: Config) -> list[Candidate]:
+    """Rank 0: the complete checkpoints the resume may load, best first, each read and checked
+    against this run's definition. Unreadable ones are skipped with a warning (an explicit
+    checkpoint.resume=PATH raises instead)."""
+    definition = run_definition(cfg)
+    candidates = []
+    for found in ckpt.complete_checkpoints(cfg):
+        try:
+            candidate = _read(found)
+        except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as exc:
+            problem = f"{found.path}: unreadable ({type(exc).__name__}: {exc})"
+            if explicit(cfg):
+                raise CheckpointError(f"checkpoint.resume={cfg.checkpoint.resume}: {problem}") from None
+            log.warning("checkpoint: skipping %s", problem)
+            continue
+        changed = differences(recorded_definition(candidate), definition)
+        if changed and not forcing(cfg):
+            raise RunFolderError(
+                f"{candidate.path} was written by another run ({'; '.join(changed)}): use another "
+                f"logging.output_dir, checkpoint.resume=force to continue from it anyway, or "
+                f"checkpoint.resume=never logging.overwrite=true to move that run aside")
+        if changed:
+            log.warning("checkpoint: checkpoint.resume=force: continuing from %s although %s", candidate.path,
+                        "; ".join(changed))
+        candidates.append(candidate)
+    return candidates
+
+
+def recorded_definition(candidate: Candidate) -> dict[str, Any]:
+    if candidate.record is not None:
+        return dict(candidate.record["definition"])
+    return run_definition(candidate.saved_config)  # written before run.json existed
+
+
+def _read(found: ckpt.Found) -> Candidate:
+    trainer_state = json.loads((found.path / ckpt.TRAINER_STATE).read_text())
+    if not isinstance(trainer_state, dict) or int(trainer_state["step"]) != found.step:
+        raise ValueError(f"{ckpt.TRAINER_STATE} does not describe step {found.step}")
+    saved_config = yaml.safe_load((found.path / ckpt.CONFIG_FILE).read_text())
+    if not isinstance(saved_config, dict):
+        raise ValueError(f"{ckpt.CONFIG_FILE} is not a mapping")
+    run_file = found.path / RUN_FILE
+    record = json.loads(run_file.read_text()) if run_file.is_file() else None
+    return Candidate(found.path, found.step, trainer_state, saved_config, record)
+
+
+# ----------------------------------------------------------------------------- 2. restorable
+
+
+def check_restorable(cfg: Config, candidates: list[Candidate], shapes: dict[str, Any], num_prompts: int,
+                     layout: dict[str, int]) -> list[Candidate]:
+    """Rank 0: each candidate checked against what this run built; returns them with the
+    sampler state to continue from and the list of changed settings."""
+    checked = []
+    for candidate in candidates:
+        _check_shapes(candidate, shapes)
+        _check_optimizer_layout(cfg, candidate, layout)
+        sampler_state, sampler_note = _continue_sampler(cfg, candidate, num_prompts)
+        changes = settings_changes(candidate.saved_config, cfg)
+        if sampler_note:
+            changes.append(sampler_note)
+        checked.append(replace(candidate, sampler_state=sampler_state, changes=tuple(changes)))
+    return checked
+
+
+def settings_changes(saved_config: dict, cfg: Config) -> list[str]:
+    """Changed settings other than the defining ones (those are checked, or forced, above)."""
+    def listed(key: str) -> bool:
+        defining = key in DEFINING_KEYS or key.startswith(tuple(f"{k}." for k in DEFINING_KEYS))
+        return not defining and not key.startswith(_UNLOGGED_PREFIXES)
+
+    before = {k: v for k, v in flat_config(saved_config).items() if listed(k)}
+    now = {k: v for k, v in flat_config(cfg).items() if listed(k)}
+    return differences(before, now)
+
+
+def _check_shapes(candidate: Candidate, shapes: dict[str, Any]) -> None:
+    if candidate.record is None:
+        return  # older checkpoint: its config.yaml defines the same model (checked above)
+    changed = differences(candidate.record["shapes"], shapes)
+    if changed:
+        raise RunFolderError(f"{candidate.path} holds a model of other shapes ({'; '.join(changed)}); its weights "
+                             f"cannot be loaded into this one, even with checkpoint.resume=force")
+
+
+def saved_optimizer_format(candidate: Candidate) -> str:
+    """How the checkpoint's optimizer state is laid out ('model_space' for a non-distributed
+    optimizer). Checkpoints of format 1 did not record it: they used dp_reshardable."""
+    fmt = candidate.trainer_state.get("optimizer_format")
+    if fmt:
+        return fmt
+    distributed = candidate.saved_config.get("parallel", {}).get("use_distributed_optimizer", True)
+    return "dp_reshardable" if distributed else ckpt.MODEL_SPACE
+
+
+def _check_optimizer_layout(cfg: Config, candidate: Candidate, layout: dict[str, int]) -> None:
+    saved_format = saved_optimizer_format(candidate)
+    saved_distributed = saved_format != ckpt.MODEL_SPACE
+    if saved_distributed != cfg.parallel.use_distributed_optimizer:
+        raise RunFolderError(
+            f"{candidate.path} holds a {'distributed' if saved_distributed else 'non-distributed'} optimizer "
+            f"state; this run has parallel.use_distributed_optimizer={str(cfg.parallel.use_distributed_optimizer).lower()}"
+            f" (set it back to resume)")
+    if saved_format in ckpt.LAYOUT_RESHARDABLE:
+        return
+    saved = candidate.trainer_state.get("layout", {})
+    saved_vpp = candidate.saved_config.get("parallel", {}).get("virtual_pipeline")
+    now = {"tp": layout["tp"], "pp": layout["pp"], "vpp": cfg.parallel.virtual_pipeline}
+    before = {"tp": saved.get("tp"), "pp": saved.get("pp"), "vpp": saved.get("vpp", saved_vpp)}
+    if before != now:
+        raise RunFolderError(
+            f"{candidate.path} was saved at parallel.tensor={before['tp']} pipeline={before['pp']} "
+            f"virtual_pipeline={before['vpp']} with its distributed-optimizer state in megatron's "
+            f"'{saved_format}' format, which loads only at the same TP x PP (any DP); resume with that layout")
+
+
+def _continue_sampler(cfg: Config, candidate: Candidate, num_prompts: int) -> tuple[dict | None, str]:
+    """The sampler state to load, and a note for the changes list ('' when nothing to say)."""
+    saved = candidate.trainer_state.get("sampler")
+    if saved is None:
+        return None, ""
+    expected = {"seed": cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed,
+                "num_items": num_prompts, "shuffle": cfg.data.shuffle, "drop_last": True}
+    changed = [f"{key}: {saved.get(key)!r} -> {value!r}" for key, value in expected.items() if saved.get(key) != value]
+    if changed:
+        problem = f"the prompt sampler of {candidate.path} does not fit these prompts ({'; '.join(changed)})"
+        if not forcing(cfg):
+            raise RunFolderError(f"{problem}: the data changed (data.train_files content, data.max_prompt_length or "
+                                 f"data.truncation?); checkpoint.resume=force starts the sampler over")
+        return None, f"sampler: starts over ({problem})"
+    return continue_at_batch_size(saved, cfg.data.train_batch_size)
+
+
+def continue_at_batch_size(saved: dict, batch_size: int) -> tuple[dict, str]:
+    """A sampler state saved at one batch size, continued at another: the first batch starts at
+    the first prompt of the epoch not yet drawn, rounded up to whole batches of the new size (so
+    no prompt is drawn twice in an epoch; up to batch_size - 1 are skipped)."""
+    old = int(saved["batch_size"])
+    if old == batch_size:
+        return dict(saved), ""
+    drawn = int(saved["batch_in_epoch"]) * old
+    batch = -(-drawn // batch_size)
+    note = (f"sampler: epoch {saved['epoch']} had {drawn} prompts drawn in batches of {old}; continues with batch "
+            f"{batch} of size {batch_size}" + (f" (skipping {batch * batch_size - drawn} prompts)"
+                                               if batch * batch_size != drawn else ""))
+    return {**saved, "batch_size": batch_size, "batch_in_epoch": batch}, note
