@@ -141,7 +141,8 @@ def test_save_hf_writes_the_same_folder_from_the_live_policy(trained_tp2_pp2):
     the step it saved, file by file."""
     run, live = trained_tp2_pp2["run"], trained_tp2_pp2["live_hf"]
     out = trained_tp2_pp2["root"] / "from_step_folder"
-    result = megatron_grpo("convert", "megatron-to-hf", "--ckpt", str(run / "checkpoints" / "step_2"), "--out", str(out))
+    step = run / "checkpoints" / "step_2"
+    result = megatron_grpo("convert", "megatron-to-hf", "--ckpt", str(step), "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in live.iterdir()) == sorted(p.name for p in out.iterdir())
     for path in out.iterdir():

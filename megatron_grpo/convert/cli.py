@@ -3,7 +3,9 @@
 Runs as one process or under torchrun / srun (one rank per TP x PP shard; more ranks = data
 parallel copies, harmless). A single process converts at TP=1, PP=1: the checkpoint it writes is
 layout-free and loads at any TP/PP; only the vocabulary padding depends on the target TP
-(--tp), and it is fixed in the checkpoint.
+(--tp), and it is fixed in the checkpoint. megatron-to-hf also reads training checkpoints (a
+run folder, its checkpoints/, step_N/ or step_N/model_optim/; see convert/sources.py), saved at
+any TP / PP / DP / CP, loading only the model part.
 """
 from __future__ import annotations
 
@@ -25,8 +27,11 @@ EPILOG_HF_TO_MEGATRON = """examples:
 """
 EPILOG_MEGATRON_TO_HF = """examples:
   megatron-grpo convert megatron-to-hf --ckpt /ckpt/qwen3-8b-mcore --out /export/qwen3-8b-hf
+  # a training run: its newest complete checkpoint, or --step N (same as `megatron-grpo export`)
+  megatron-grpo convert megatron-to-hf --ckpt outputs/run1 --step 100 --out /export/step100
+  megatron-grpo convert megatron-to-hf --ckpt outputs/run1/checkpoints/step_100 --out /export/step100
   # check against (and take tokenizer files from) the original HF folder
-  megatron-grpo convert megatron-to-hf --ckpt /ckpt/run1/step_100/model --out /export/step100 \\
+  megatron-grpo convert megatron-to-hf --ckpt /ckpt/qwen3-8b-mcore --out /export/qwen3-8b-hf \\
       --hf-reference /models/Qwen3-8B --force
 """
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -48,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     h2m.add_argument("--dtype", choices=["auto", *_DTYPES], default="auto",
                      help="stored dtype; auto = config.json's dtype (bf16 or fp32)")
     h2m.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
-    m2h = sub.add_parser("megatron-to-hf", help="megatron checkpoint (any TP/PP) -> HF folder",
+    m2h = sub.add_parser("megatron-to-hf", help="megatron or training checkpoint (any TP/PP) -> HF folder",
                          epilog=EPILOG_MEGATRON_TO_HF, formatter_class=argparse.RawDescriptionHelpFormatter)
     m2h.add_argument("--ckpt", required=True, type=Path, help=CHECKPOINT_HELP)
     add_export_arguments(m2h)

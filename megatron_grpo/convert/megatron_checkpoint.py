@@ -90,9 +90,9 @@ def load_model_weights(model_chunks: Sequence[torch.nn.Module], weights_dir: str
     sharded = _sharded_state_dict(model_chunks)
     try:
         loaded = dist_checkpointing.load(sharded, str(weights))
-    except dcp_errors() as exc:  # megatron / torch DCP raise assorted errors for missing, cut or mismatched shards
-        raise CheckpointError(f"{weights}: cannot load into this model ({type(exc).__name__}: "
-                              f"{_first_line(exc)}); a shard file is missing, cut short or from another model") from None
+    except dcp_errors() as exc:  # megatron / torch DCP raise assorted errors for bad or mismatched shards
+        raise CheckpointError(f"{weights}: cannot load into this model ({type(exc).__name__}: {_first_line(exc)}); "
+                              f"a shard file is missing, damaged or from another model") from None
     for key, chunk in zip(list(sharded), model_chunks):
         unwrap(chunk).load_state_dict(loaded[key])
 

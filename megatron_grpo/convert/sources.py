@@ -42,7 +42,7 @@ class MegatronSource:
     weights_dir: Path            # torch_dist folder (model only, or model + optimizer)
     model_config: ModelConfig    # padded vocab = the stored one
     assets_dir: Path | None      # tokenizer files / generation_config.json to copy
-    label: str                   # for messages: "step 3 of /runs/a" or the checkpoint folder
+    label: str                   # for messages: the step_N or convert checkpoint folder
     step: int | None = None      # training step, None for a convert checkpoint
 
 
@@ -51,7 +51,8 @@ def is_convert_checkpoint(path: str | Path) -> bool:
     return (Path(path) / MODEL_CONFIG_FILE).is_file()
 
 
-def resolve_source(path: str | Path, step: int | None = None, hf_reference: str | Path | None = None) -> MegatronSource:
+def resolve_source(path: str | Path, step: int | None = None,
+                   hf_reference: str | Path | None = None) -> MegatronSource:
     """The MegatronSource `path` names (see the module doc); CheckpointError naming the path
     and what was expected otherwise. For a training checkpoint, `hf_reference` (an HF folder)
     replaces the run's model folder as the source of config.json and the tokenizer."""
@@ -64,11 +65,11 @@ def resolve_source(path: str | Path, step: int | None = None, hf_reference: str 
         return _convert_source(path, step)
     if path.name == WEIGHTS_DIR and is_convert_checkpoint(path.parent):
         return _convert_source(path.parent, step)
-    from megatron_grpo.trainer.checkpoint import MODEL_OPTIM_DIR
+    from megatron_grpo.trainer.checkpoint import COMPLETE_MARKER, MODEL_OPTIM_DIR  # not at import: no cycle
 
     if path.name == MODEL_OPTIM_DIR and _STEP_DIR.match(path.parent.name):
         return _step_source(path.parent, step, hf_reference)
-    if _STEP_DIR.match(path.name) and ((path / MODEL_OPTIM_DIR).exists() or (path / "complete.json").exists()):
+    if _STEP_DIR.match(path.name) and ((path / MODEL_OPTIM_DIR).exists() or (path / COMPLETE_MARKER).exists()):
         return _step_source(path, step, hf_reference)
     for root in (path, path / "checkpoints"):
         if _step_folders(root):
@@ -99,7 +100,8 @@ def _pick_step(root: Path, step: int | None) -> Path:
     steps = _step_folders(root)
     if step is not None:
         if step not in steps:
-            raise CheckpointError(f"{root}: no step_{step} (found {', '.join(f'step_{s}' for s in sorted(steps))})")
+            found = ", ".join(f"step_{s}" for s in sorted(steps))
+            raise CheckpointError(f"{root}: no step_{step} (found {found})")
         return steps[step]
     problems = []
     for number in sorted(steps, reverse=True):
@@ -153,15 +155,19 @@ def _read_recorded_config(path: Path) -> dict:
 
 
 def _run_model_folder(step_dir: Path, recorded: dict) -> Path:
-    """The HF folder (or convert checkpoint) the run's policy was built from: the run's
-    initial_model/ (random init, or materialised from a convert checkpoint), else model.path."""
+    """The HF folder (or convert checkpoint) the run's policy was built from: model.path when it
+    is an HF folder; else the run's initial_model/ (random init, or exported from the convert
+    checkpoint model.path names), else that convert checkpoint itself."""
+    model_path = Path(recorded["model.path"]) if recorded["model.path"] else None
+    if model_path is not None and (model_path / "config.json").is_file():
+        return model_path
     candidates = []
     if recorded["save_dir"] is None and step_dir.parent.name == "checkpoints":
         candidates.append(step_dir.parent.parent / "initial_model")  # the run folder, even if it was moved
     if recorded["output_dir"]:
         candidates.append(Path(recorded["output_dir"]) / "initial_model")
-    if recorded["model.path"]:
-        candidates.append(Path(recorded["model.path"]))
+    if model_path is not None:
+        candidates.append(model_path)
     for candidate in candidates:
         if (candidate / "config.json").is_file() or is_convert_checkpoint(candidate):
             return candidate
@@ -212,8 +218,8 @@ def check_shard_sizes(weights: Path) -> None:
         if not path.is_file():
             raise CheckpointError(f"{path}: shard file missing (listed in {weights / '.metadata'})")
         if path.stat().st_size < size:
-            raise CheckpointError(f"{path}: truncated shard file ({path.stat().st_size} bytes, {weights / '.metadata'} "
-                                  f"places data up to byte {size})")
+            raise CheckpointError(f"{path}: truncated shard file ({path.stat().st_size} bytes; "
+                                  f"{weights / '.metadata'} places data up to byte {size})")
 
 
 def stored_model_dtype(weights: Path):

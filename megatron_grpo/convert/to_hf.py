@@ -21,7 +21,8 @@ from megatron_grpo.models.hf_config import ModelConfig
 HF_SUBDIR = "hf"  # <step_dir>/hf with checkpoint.save_hf=true
 
 
-def check_layout_fits(cfg: ModelConfig, tp: int, pp: int, where: str, names: tuple[str, str] = ("--tp", "--pp")) -> None:
+def check_layout_fits(cfg: ModelConfig, tp: int, pp: int, where: str,
+                      names: tuple[str, str] = ("--tp", "--pp")) -> None:
     """The model splits over `tp` x `pp` ranks; else one ConfigError naming the option (`names`)
     and the model (`where`), instead of megatron's assertion deep in model building."""
     tp_name, pp_name = names
@@ -36,8 +37,9 @@ def check_layout_fits(cfg: ModelConfig, tp: int, pp: int, where: str, names: tup
         raise ConfigError(f"{tp_name} {tp}: {where}: {exc}") from None
 
 
-def export_checkpoint_to_hf(source: MegatronSource, out: Path, *, layout, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                            overwrite: bool = False, assets_dir: Path | None = None, progress: bool = False) -> Path:
+def export_checkpoint_to_hf(source: MegatronSource, out: Path, *, layout,
+                            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,
+                            assets_dir: Path | None = None, progress: bool = False) -> Path:
     """Builds the model at `layout` (already initialised in megatron's parallel_state), loads the
     model tensors of `source` (not the optimizer), and writes the HF folder `out` on rank 0."""
     from megatron_grpo.convert.export import gather_hf_weights_on_rank0
