@@ -23,6 +23,11 @@ class LaunchError(MegatronGRPOError):
     """The launcher environment (ranks, devices, master address) is missing or inconsistent."""
 
 
+class RolloutFailure(MegatronGRPOError):
+    """The rollout engines failed on rank 0 (generation after the client's retries, or a weight
+    sync); raised on every rank, so that all stop together after checkpointing."""
+
+
 class CheckpointError(MegatronGRPOError):
     """A checkpoint or HF model folder is missing, incomplete or does not match the config."""
 

@@ -101,6 +101,17 @@ class SGLangConfig:
     weight_update_timeout_s: float = 600.0
     max_retries: int = 3
     max_concurrency: int = 256  # in-flight HTTP requests per engine
+    # Reproducible rollouts: SGLang honours sampling_seed only with --enable-deterministic-inference
+    # (passed to launched servers; URL-given ones are checked). false: faster, unseeded sampling.
+    deterministic_inference: bool = True
+    verify_interval: int = 50  # check the engines' weights after the first sync and every N-th; 0 = never
+    min_engines: int = 1  # fewer live engines than this stops the run (after a checkpoint)
+    health_check_interval_s: float = 30.0  # background /health_generate probe of every engine; 0 = off
+    health_check_timeout_s: float = 60.0
+    # The command that starts one server (its flags are appended); empty = this Python's
+    # `-m sglang.launch_server`. E.g. a container or numactl wrapper.
+    launch_command: list[str] = field(default_factory=list)
+    router_command: list[str] = field(default_factory=list)  # empty = `-m sglang_router.launch_router`
 
 
 @dataclass(frozen=True)

@@ -110,9 +110,16 @@ def _sglang(c: Config, out: list[str]) -> None:
     for name in ("port", "router_port"):
         if not 1 <= getattr(s, name) <= 65535:
             out.append(f"rollout.sglang.{name}={getattr(s, name)} is not a TCP port")
-    for name in ("startup_timeout_s", "request_timeout_s", "weight_update_timeout_s"):
+    for name in ("startup_timeout_s", "request_timeout_s", "weight_update_timeout_s", "health_check_timeout_s"):
         if getattr(s, name) <= 0:
             out.append(f"rollout.sglang.{name}={getattr(s, name)} must be > 0")
+    for name in ("verify_interval", "health_check_interval_s"):
+        if getattr(s, name) < 0:
+            out.append(f"rollout.sglang.{name}={getattr(s, name)} must be >= 0 (0 = off)")
+    engines = len(s.urls) or s.num_engines
+    if not 1 <= s.min_engines <= engines:
+        out.append(f"rollout.sglang.min_engines={s.min_engines} must be between 1 and the number of engines "
+                   f"({engines})")
 
 
 def _algorithm(c: Config, out: list[str]) -> None:

@@ -39,5 +39,9 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def weight_version(self) -> int: ...
 
+    def sync_metrics(self) -> dict[str, float]:
+        """Metrics of the last update_weights (e.g. sync/seconds, sync/verified); default none."""
+        return {}
+
     def close(self) -> None:
         """Releases processes / connections; the default has nothing to release."""

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_grpo.algo import AdvantageConfig, GlobalBatchInfo, GRPOLossConfig, PolicyLossConfig
 from megatron_grpo.config.schema import Config
-from megatron_grpo.errors import MegatronGRPOError
+from megatron_grpo.errors import MegatronGRPOError, RolloutFailure
 from megatron_grpo.launch.distributed import broadcast_from_rank0
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.trainer.batching import MicroBatch
@@ -127,7 +127,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
 
     # 5. new weights to the rollout engine.
     with timer("sync"):
-        sync_weights(run, version=step)
+        metrics.update(sync_weights(run, version=step))
 
     metrics.update(timer.seconds)
     metrics["time/step"] = time.perf_counter() - step_start
@@ -214,10 +214,6 @@ def _on_device(model_chunks, device: torch.device, offloaded: bool):
         if offloaded:
             for chunk in model_chunks:
                 chunk.to("cpu")
-
-
-class RolloutFailure(MegatronGRPOError):
-    """Generation failed on rank 0 (after the client's retries); raised on every rank."""
 
 
 class PhaseTimer:

@@ -87,6 +87,9 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
     metrics.update(first_round_stats or {})
     metrics.update(timings)
     metrics["rollout/generation_rounds"] = float(rounds)
+    # Which policy sampled the batch: every sample of step k comes from weights version k - 1.
+    metrics["rollout/weight_version_min"] = float(min(s.weight_version for s in kept_samples))
+    metrics["rollout/weight_version_max"] = float(max(s.weight_version for s in kept_samples))
     metrics["advantage/mean"] = float(advantages.mean())
     metrics["advantage/std"] = float(advantages.std()) if len(advantages) > 1 else 0.0
     metrics["advantage/max"] = float(advantages.max())

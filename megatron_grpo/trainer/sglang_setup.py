@@ -1,12 +1,14 @@
 """rollout.engine=sglang: the recipe's rollout.sglang section -> servers, client, weight transport.
 
 Servers are either given (`rollout.sglang.urls`, e.g. started by the sbatch scripts) or launched
-here on this node (`num_engines` x `tp_size` GPUs, ports port, port+1, ...). Weights always go to
-every engine directly; a router, if any, only serves /generate.
+here on this node (`num_engines` x `tp_size` GPUs, ports port, port+1, ...). Weights and control
+calls always go to every engine directly; a router, if any, only serves /generate.
 """
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -14,6 +16,8 @@ import torch
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError, MegatronGRPOError
 from megatron_grpo.launch.env import free_port
+
+log = logging.getLogger(__name__)
 
 
 class SGLangRolloutEngine:
@@ -33,11 +37,12 @@ class SGLangRolloutEngine:
                 self._launcher.shutdown()
 
 
-def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path, launcher_module: str = "sglang.launch_server"):
+def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
     from megatron_grpo.rollout.sglang.client import SGLangClient
-    from megatron_grpo.rollout.sglang.engine import SGLangEngine
+    from megatron_grpo.rollout.sglang.engine import EngineOptions, SGLangEngine
     from megatron_grpo.rollout.sglang.http_json import RetryPolicy
     from megatron_grpo.rollout.sglang.launcher import RouterSettings, ServerSettings, SGLangLauncher
+    from megatron_grpo.rollout.sglang.pool import EnginePool, EngineSlot
     from megatron_grpo.rollout.sglang.weight_sync import (DiskTransport, DistributedTransport, EngineTarget,
                                                           TensorTransport)
 
@@ -51,12 +56,18 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path, launcher
     if s.urls:
         urls, router_url = list(s.urls), s.router_url
     else:
+        command = tuple(s.launch_command) or (sys.executable, "-m", "sglang.launch_server")
         servers = [ServerSettings(model_path=str(model_dir), tp_size=s.tp_size, mem_fraction_static=s.mem_fraction,
                                   host=s.host, port=s.port + i, api_key=api_key,
-                                  enable_memory_saver=s.weight_sync == "tensor", extra_args=tuple(s.extra_args),
-                                  module=launcher_module)
+                                  enable_memory_saver=s.weight_sync == "tensor",
+                                  enable_deterministic_inference=s.deterministic_inference,
+                                  extra_args=tuple(s.extra_args), command=command)
                    for i in range(s.num_engines)]
-        router = RouterSettings(host=s.host, port=s.router_port, policy=s.router_policy) if s.router else None
+        router = None
+        if s.router:
+            router = RouterSettings(host=s.host, port=s.router_port, policy=s.router_policy,
+                                    command=tuple(s.router_command) or (sys.executable, "-m",
+                                                                        "sglang_router.launch_router"))
         launcher = SGLangLauncher(servers=servers, log_dir=output_dir / "sglang_logs", router=router)
         launcher.start()
         try:
@@ -68,6 +79,9 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path, launcher
     client = SGLangClient(urls, concurrency=s.max_concurrency, timeout_s=s.request_timeout_s,
                           retry=RetryPolicy(max_attempts=s.max_retries + 1), api_key=api_key)
     targets = [EngineTarget(url, s.tp_size) for url in urls]
+    slots = [EngineSlot(t, restart=None if launcher is None else _restarter(launcher, i, s.startup_timeout_s))
+             for i, t in enumerate(targets)]
+    pool = EnginePool(slots, min_engines=s.min_engines, probe_timeout_s=s.health_check_timeout_s, api_key=api_key)
     bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20
     try:
         if s.weight_sync == "distributed":
@@ -85,15 +99,41 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path, launcher
                                   "with tp_size 1 so far; use weight_sync=distributed or disk")
             transport = TensorTransport(client, targets[0], bucket_bytes=bucket_bytes,
                                         timeout_s=s.weight_update_timeout_s)
-        generate_client = SGLangClient([router_url], timeout_s=s.request_timeout_s, api_key=api_key) \
-            if router_url else None
-        engine = SGLangEngine(client, transport, generate_client=generate_client)
+        generate_client = SGLangClient([router_url], concurrency=s.max_concurrency, timeout_s=s.request_timeout_s,
+                                       retry=RetryPolicy(max_attempts=s.max_retries + 1),
+                                       api_key=api_key) if router_url else None
+        engine = SGLangEngine(client, transport, generate_client=generate_client, pool=pool, options=EngineOptions(
+            send_seeds=s.deterministic_inference, verify_interval=s.verify_interval,
+            health_check_interval_s=s.health_check_interval_s, health_check_timeout_s=s.health_check_timeout_s,
+            min_engines=s.min_engines))
         health = engine.health()
         if not health:
             raise MegatronGRPOError(f"SGLang engines are not healthy at start: {health.detail}")
+        if s.deterministic_inference:
+            _warn_if_not_deterministic(client, urls)
     except BaseException:
         client.close()
         if launcher is not None:
             launcher.shutdown()
         raise
     return SGLangRolloutEngine(engine, launcher)
+
+
+def _restarter(launcher, index: int, timeout_s: float):
+    return lambda: launcher.restart(index, timeout_s=timeout_s)
+
+
+def _warn_if_not_deterministic(client, urls: list[str]) -> None:
+    """Seeds are sent; a server started without --enable-deterministic-inference ignores them."""
+    from megatron_grpo.rollout.sglang.errors import SGLangError
+
+    for url in urls:
+        try:
+            info = client.call(url, "/server_info", method="GET", timeout_s=60.0)
+        except SGLangError as exc:
+            log.warning("cannot read %s/server_info (%s): rollout reproducibility is unchecked", url, exc)
+            continue
+        if not info.get("enable_deterministic_inference"):
+            log.warning("%s runs without --enable-deterministic-inference: it ignores sampling_seed, so rollouts "
+                        "are not reproducible (start it with that flag, or set "
+                        "rollout.sglang.deterministic_inference=false to stop sending seeds)", url)

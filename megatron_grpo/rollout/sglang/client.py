@@ -3,7 +3,9 @@
 Requests are spread round-robin over the servers by a thread pool of `concurrency` workers (one
 blocking HTTP request each; the standard library only). A request that meets a connection error
 or HTTP 5xx is retried with backoff on the next server, and the failing server is avoided for
-`dead_cooldown_s`; after `retry.max_attempts` tries the error names every URL tried."""
+`dead_cooldown_s`; after `retry.max_attempts` tries the error names every URL tried. The set of
+servers can change between calls (`set_urls`): the engine pool takes dead engines out of rotation
+and puts restarted ones back."""
 from __future__ import annotations
 
 import itertools
@@ -14,7 +16,7 @@ from typing import Any, Sequence
 
 from megatron_grpo.rollout.sglang.errors import SGLangError, SGLangUnavailableError
 from megatron_grpo.rollout.sglang.http_json import RetryPolicy, request_json
-from megatron_grpo.rollout.sglang.protocol import generate_payload, parse_generate_response
+from megatron_grpo.rollout.sglang.protocol import generate_payloads, parse_generate_response
 from megatron_grpo.rollout.types import GenerationRequest, Sample
 
 
@@ -33,6 +35,13 @@ class SGLangClient:
         self._dead_until: dict[str, float] = {}
         self._lock = threading.Lock()
         self._aborted = threading.Event()
+
+    def set_urls(self, urls: Sequence[str]) -> None:
+        """The servers later calls use (in-flight requests finish where they are)."""
+        if not urls:
+            raise ValueError("SGLangClient needs at least one server URL")
+        with self._lock:
+            self.urls = [u.rstrip("/") for u in urls]
 
     # ----- plain calls ------------------------------------------------------------------------
     def call(self, url: str, path: str, payload: Any = None, *, method: str = "POST",
@@ -66,7 +75,9 @@ class SGLangClient:
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]:
         """All samples of `requests`, in request order then sample order."""
         self._aborted.clear()
-        futures = [self._pool.submit(self._generate_one, req) for req in requests]
+        calls = [(request, first, payload) for request in requests for first, payload in generate_payloads(request)]
+        futures = [self._pool.submit(self._generate_call, request, first, payload)
+                   for request, first, payload in calls]
         results: list[Sample] = []
         try:
             for future in futures:
@@ -77,11 +88,11 @@ class SGLangClient:
             raise
         return results
 
-    def abort(self) -> None:
-        """Ends the current generate(): running requests are aborted on every server (their
-        samples come back with finish reason 'abort'), queued ones are not sent."""
+    def stop_generating(self) -> None:
+        """Makes the current generate() return: requests not sent yet come back as 'abort'
+        samples. The engines' running requests are aborted by the caller (/abort_request must go
+        to each engine, never through a router)."""
         self._aborted.set()
-        self.call_all("/abort_request", {"abort_all": True}, retry=RetryPolicy(max_attempts=1))
 
     def _pick_url(self, tried: list[str]) -> str:
         now = time.monotonic()
@@ -99,10 +110,10 @@ class SGLangClient:
         with self._lock:
             self._dead_until[url] = time.monotonic() + self.dead_cooldown_s
 
-    def _generate_one(self, request: GenerationRequest) -> list[Sample]:
+    def _generate_call(self, request: GenerationRequest, first: int, payload: dict) -> list[Sample]:
+        count = payload["sampling_params"]["n"]
         if self._aborted.is_set():
-            return _aborted_samples(request)
-        payload = generate_payload(request)
+            return _aborted_samples(request, first, count)
         tried: list[str] = []
         errors: list[str] = []
         for attempt in range(self.retry.max_attempts):
@@ -110,14 +121,14 @@ class SGLangClient:
             tried.append(url)
             try:
                 body = request_json(url, "/generate", payload, timeout_s=self.timeout_s, api_key=self.api_key)
-                return parse_generate_response(body, request, f"{url}/generate")
+                return parse_generate_response(body, request, f"{url}/generate", first, count)
             except SGLangError as exc:
                 if not self.retry.retryable(exc):
                     raise
                 errors.append(str(exc))
                 self._mark_dead(url)
                 if self._aborted.is_set():
-                    return _aborted_samples(request)
+                    return _aborted_samples(request, first, count)
                 if attempt + 1 < self.retry.max_attempts:
                     time.sleep(self.retry.delay(attempt) if len(set(tried)) >= len(self.urls) else 0.0)
         raise SGLangUnavailableError(f"/generate for request {request.group_id!r} failed {len(errors)} times on "
@@ -127,6 +138,6 @@ class SGLangClient:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _aborted_samples(request: GenerationRequest) -> list[Sample]:
-    return [Sample(group_id=request.group_id, sample_index=j, prompt_ids=list(request.prompt_ids), response_ids=[],
-                   logprobs=[], finish_reason="abort", weight_version=-1) for j in range(request.sampling.n)]
+def _aborted_samples(request: GenerationRequest, first: int, count: int) -> list[Sample]:
+    return [Sample(group_id=request.group_id, sample_index=first + j, prompt_ids=list(request.prompt_ids),
+                   response_ids=[], logprobs=[], finish_reason="abort", weight_version=-1) for j in range(count)]

@@ -1,73 +1,141 @@
-"""SGLangEngine: the RolloutEngine over SGLang servers (generation via the client, weights via a transport)."""
+"""SGLangEngine: the RolloutEngine over SGLang servers (generation via the client, weights via a
+transport, engine health via the pool)."""
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Sequence
 
 from megatron_grpo.rollout.engine import NamedTensors, RolloutEngine
 from megatron_grpo.rollout.sglang.client import SGLangClient
 from megatron_grpo.rollout.sglang.errors import SGLangError
+from megatron_grpo.rollout.sglang.http_json import RetryPolicy
+from megatron_grpo.rollout.sglang.pool import EnginePool, EngineSlot, HealthProber
 from megatron_grpo.rollout.sglang.protocol import parse_weight_version
+from megatron_grpo.rollout.sglang.verify import WeightSample, verify_engines
 from megatron_grpo.rollout.sglang.weight_sync import SyncStats, WeightTransport, update_weights
 from megatron_grpo.rollout.types import EngineHealth, GenerationRequest, Sample
 
+log = logging.getLogger(__name__)
+
+# SGLang's memory tags (sglang.srt.constants); releasing all of them frees the whole GPU.
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    send_seeds: bool = True  # False: unseeded requests (seeds do nothing without deterministic inference)
+    verify_interval: int = 50  # verify every N-th sync (and the first); 0 = never
+    health_check_interval_s: float = 30.0  # background /health_generate probe; 0 = off
+    health_check_timeout_s: float = 60.0
+    min_engines: int = 1
+
 
 class SGLangEngine(RolloutEngine):
-    """`client` talks to the engines (or to a router for /generate: pass `generate_client`);
-    weight updates and memory calls always go to each engine directly."""
+    """`client` talks to the engines; `generate_client` (a router, if any) only serves /generate.
+    Weight updates, memory and control calls (abort, pause, flush) always go to each engine
+    directly: a router has no such routes."""
 
     def __init__(self, client: SGLangClient, transport: WeightTransport, *,
-                 generate_client: SGLangClient | None = None, memory_tags: Sequence[str] | None = None):
+                 generate_client: SGLangClient | None = None, pool: EnginePool | None = None,
+                 options: EngineOptions = EngineOptions()):
         self.client = client
         self.transport = transport
         self.generate_client = generate_client or client
-        self.memory_tags = list(memory_tags) if memory_tags else None
+        self.options = options
+        self.pool = pool or EnginePool([EngineSlot(t) for t in transport.targets], min_engines=options.min_engines,
+                                       probe_timeout_s=options.health_check_timeout_s, api_key=client.api_key)
+        self.pool.on_change = self._rotation_changed
+        self.prober = HealthProber(self.pool, options.health_check_interval_s).start()
         self._version = 0
-        self._released = False
+        self._syncs = 0
+        self._released: set[str] = set()  # SGLang raises (and dies) on resuming a tag it has not released
         self.last_sync: SyncStats | None = None
+        self.last_sync_metrics: dict[str, float] = {}
 
     @property
     def weight_version(self) -> int:
         return self._version
 
+    @property
+    def urls(self) -> list[str]:
+        return [t.url for t in self.pool.alive_targets]
+
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]:
+        if not self.options.send_seeds:
+            requests = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, seed=None)) for r in requests]
         return self.generate_client.generate(requests)
 
     def abort(self) -> None:
-        self.generate_client.abort()
+        self.generate_client.stop_generating()
+        self.client.call_all("/abort_request", {"abort_all": True}, urls=self.urls,
+                             retry=RetryPolicy(max_attempts=1))
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
-        # Colocated wake-up in two stages: weight memory before the push, KV cache after it, so
-        # the trainer's buffers and the KV cache never need GPU memory at the same time.
-        if self._released:
-            self.client.call_all("/resume_memory_occupation", {"tags": ["weights"]})
-        self.last_sync = update_weights(self.client, self.transport, named_tensors, version)
-        self._version = int(version)
-        if self._released:
-            self.resume_memory()
+        with self.prober.paused():
+            restarted = self.pool.recover()
+            alive = self.pool.alive_targets
+            if restarted or alive != list(self.transport.targets):
+                self.transport.set_targets(alive)
+            # Colocated wake-up in two stages: weight memory before the push, the rest after it, so
+            # the trainer's buffers and the KV cache never need GPU memory at the same time.
+            if "weights" in self._released:
+                self._resume(["weights"])
+            verify = self._verification_due()
+            sample = WeightSample(tp_size=max(t.tp_size for t in alive)) if verify else None
+            stream = sample.tap(named_tensors) if sample else named_tensors
+            self.last_sync = update_weights(self.client, self.transport, stream, version)
+            self._version = int(version)
+            self._syncs += 1
+            if self._released:
+                self._resume(sorted(self._released))
+            self.last_sync_metrics = {"sync/seconds": self.last_sync.seconds,
+                                      "sync/gb": self.last_sync.num_bytes / 1e9,
+                                      "sync/engine_restarts": float(self.pool.restarts)}
+            if sample is not None:
+                self.last_sync_metrics.update(verify_engines(self.client, alive, sample).metrics())
+
+    def sync_metrics(self) -> dict[str, float]:
+        return dict(self.last_sync_metrics)
+
+    def _verification_due(self) -> bool:
+        interval = self.options.verify_interval
+        return interval > 0 and (self._syncs == 0 or (self._syncs + 1) % interval == 0)
 
     def release_memory(self) -> None:
-        self.client.call_all("/release_memory_occupation", {"tags": self.memory_tags})
-        self._released = True
+        self.client.call_all("/release_memory_occupation", {"tags": list(MEMORY_TAGS)}, urls=self.urls)
+        self._released = set(MEMORY_TAGS)
 
     def resume_memory(self) -> None:
-        self.client.call_all("/resume_memory_occupation", {"tags": self.memory_tags})
-        self._released = False
+        if self._released:
+            self._resume(sorted(self._released))
+
+    def _resume(self, tags: list[str]) -> None:
+        self.client.call_all("/resume_memory_occupation", {"tags": tags}, urls=self.urls)
+        self._released -= set(tags)
+
+    def _rotation_changed(self, alive) -> None:
+        urls = [t.url for t in alive]
+        self.client.set_urls(urls)
+        if self.generate_client is not self.client and len(self.generate_client.urls) > 1:
+            self.generate_client.set_urls(urls)  # a separate client of engines (a router keeps its own list)
 
     def health(self) -> EngineHealth:
         problems, versions = [], set()
-        for url in self.client.urls:
+        for url in self.urls:
             try:
-                self.client.call(url, "/health_generate", method="GET", timeout_s=60.0)
+                self.client.call(url, "/health_generate", method="GET", timeout_s=self.options.health_check_timeout_s)
                 info = self.client.call(url, "/model_info", method="GET", timeout_s=30.0)
                 versions.add(parse_weight_version(info.get("weight_version"), f"{url}/model_info"))
             except SGLangError as exc:
                 problems.append(str(exc))
         if len(versions) > 1:
             problems.append(f"servers disagree on weight_version: {sorted(versions)}")
-        detail = "; ".join(problems) or f"{len(self.client.urls)} SGLang servers healthy"
+        detail = "; ".join(problems) or f"{len(self.urls)} SGLang servers healthy"
         return EngineHealth(not problems, detail, versions.pop() if len(versions) == 1 else None)
 
     def close(self) -> None:
+        self.prober.stop()
         self.transport.close()
         self.client.close()
         if self.generate_client is not self.client:

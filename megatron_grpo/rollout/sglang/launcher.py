@@ -1,8 +1,12 @@
-"""Start, health-wait and stop `python -m sglang.launch_server` processes (and optionally a router).
+"""Start, health-wait, restart and stop `python -m sglang.launch_server` processes (and optionally a router).
 
 Each server gets its own log file and process group; shutdown signals the group (SIGTERM, then
 SIGKILL), at close(), at interpreter exit, and, on Linux, when the launching thread dies
-(PR_SET_PDEATHSIG), so a crashed trainer does not leave GPU servers behind."""
+(PR_SET_PDEATHSIG), so a crashed trainer does not leave GPU servers behind.
+
+Ready means: an engine answers `GET /health_generate` (it generated a token; `/health` may answer
+before the model can serve), a router answers `GET /readiness` (its `/health` is 200 even with no
+live worker)."""
 from __future__ import annotations
 
 import atexit
@@ -31,9 +35,11 @@ class ServerSettings:
     port: int = 30000
     api_key: str | None = None
     enable_memory_saver: bool = False
+    # SGLang ignores sampling_seed without it; costs throughput (see the README's SGLang section).
+    enable_deterministic_inference: bool = False
     extra_args: tuple[str, ...] = ()
-    python: str = sys.executable
-    module: str = "sglang.launch_server"  # tests point this at the fake server
+    # What starts one server; its flags follow. Tests point it at the SGLang test harness.
+    command: tuple[str, ...] = (sys.executable, "-m", "sglang.launch_server")
 
     @property
     def url(self) -> str:
@@ -41,7 +47,7 @@ class ServerSettings:
 
 
 def server_command(settings: ServerSettings) -> list[str]:
-    cmd = [settings.python, "-m", settings.module, "--model-path", str(settings.model_path),
+    cmd = [*settings.command, "--model-path", str(settings.model_path),
            "--tp-size", str(settings.tp_size), "--host", settings.host, "--port", str(settings.port)]
     if settings.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(settings.mem_fraction_static)]
@@ -49,6 +55,8 @@ def server_command(settings: ServerSettings) -> list[str]:
         cmd += ["--api-key", settings.api_key]
     if settings.enable_memory_saver:
         cmd += ["--enable-memory-saver"]
+    if settings.enable_deterministic_inference:
+        cmd += ["--enable-deterministic-inference"]
     return cmd + list(settings.extra_args)
 
 
@@ -58,7 +66,7 @@ class RouterSettings:
     port: int = 30100
     policy: str = "round_robin"
     extra_args: tuple[str, ...] = ()
-    python: str = sys.executable
+    command: tuple[str, ...] = (sys.executable, "-m", "sglang_router.launch_router")
 
     @property
     def url(self) -> str:
@@ -66,7 +74,7 @@ class RouterSettings:
 
 
 def router_command(settings: RouterSettings, worker_urls: Sequence[str]) -> list[str]:
-    return [settings.python, "-m", "sglang_router.launch_router", "--host", settings.host, "--port",
+    return [*settings.command, "--host", settings.host, "--port",
             str(settings.port), "--policy", settings.policy, "--worker-urls", *worker_urls, *settings.extra_args]
 
 
@@ -82,6 +90,8 @@ class ManagedProcess:
     url: str
     process: subprocess.Popen
     log_path: Path
+    cmd: list[str]
+    ready_path: str  # the GET route that answers 200 once it can serve
 
     def log_tail(self, chars: int = 2000) -> str:
         try:
@@ -105,47 +115,62 @@ class SGLangLauncher:
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         atexit.register(self.shutdown)
         for index, settings in enumerate(self.servers):
-            self._spawn(f"sglang-{index}-port{settings.port}", settings.url, server_command(settings))
+            self._spawn(f"sglang-{index}-port{settings.port}", settings.url, server_command(settings),
+                        "/health_generate")
         return [s.url for s in self.servers]
 
-    def _spawn(self, name: str, url: str, cmd: list[str]) -> None:
+    def _spawn(self, name: str, url: str, cmd: list[str], ready_path: str) -> ManagedProcess:
         log_path = Path(self.log_dir) / f"{name}.log"
         with open(log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
             process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
                                        start_new_session=True, preexec_fn=_die_with_parent)
-        self.processes.append(ManagedProcess(name, url, process, log_path))
+        managed = ManagedProcess(name, url, process, log_path, cmd, ready_path)
+        self.processes.append(managed)
+        return managed
+
+    @property
+    def _api_key(self) -> str | None:
+        return next((s.api_key for s in self.servers if s.api_key), None)
 
     def wait_healthy(self, timeout_s: float = 900.0, poll_s: float = 1.0) -> str | None:
-        """Waits for GET /health on every server (then starts the router and waits for it).
+        """Waits until every server can generate (then starts the router and waits until it is ready).
 
         Returns the URL to send /generate to (router or None). Raises SGLangError naming the URL
-        and the log tail if a server exits or is not healthy within timeout_s."""
-        api_key = next((s.api_key for s in self.servers if s.api_key), None)
+        and the log tail if a server exits or is not ready within timeout_s."""
         for proc in list(self.processes):
-            self._wait_one(proc, time.monotonic() + timeout_s, poll_s, api_key)
+            self._wait_one(proc, time.monotonic() + timeout_s, poll_s, self._api_key)
         if self.router is None:
             return None
-        self._spawn(f"sglang-router-port{self.router.port}", self.router.url,
-                    router_command(self.router, [s.url for s in self.servers]))
-        self._wait_one(self.processes[-1], time.monotonic() + timeout_s, poll_s, None)
+        router = self._spawn(f"sglang-router-port{self.router.port}", self.router.url,
+                             router_command(self.router, [s.url for s in self.servers]), "/readiness")
+        self._wait_one(router, time.monotonic() + timeout_s, poll_s, None)
         return self.router.url
+
+    def restart(self, index: int, timeout_s: float = 900.0, poll_s: float = 1.0) -> None:
+        """Stops server `index` (if anything is left of it) and starts it again on the same port."""
+        old = self.processes[index]
+        _stop(old, grace_s=5.0)
+        new = self._spawn(old.name, old.url, old.cmd, old.ready_path)
+        self.processes.remove(new)
+        self.processes[index] = new
+        self._wait_one(new, time.monotonic() + timeout_s, poll_s, self._api_key)
 
     def _wait_one(self, proc: ManagedProcess, deadline: float, poll_s: float, api_key: str | None) -> None:
         while True:
             code = proc.process.poll()
             if code is not None:
-                raise SGLangError(f"{proc.name} ({proc.url}) exited with code {code} before becoming healthy; "
+                raise SGLangError(f"{proc.name} ({proc.url}) exited with code {code} before becoming ready; "
                                   f"log {proc.log_path}:\n{proc.log_tail()}", proc.url)
             try:
-                request_json(proc.url, "/health", method="GET", timeout_s=5.0, api_key=api_key)
+                request_json(proc.url, proc.ready_path, method="GET", timeout_s=30.0, api_key=api_key)
                 return
             except SGLangError:
                 pass
             if time.monotonic() > deadline:
-                raise SGLangError(f"{proc.name} ({proc.url}) not healthy in time; log {proc.log_path}:\n"
-                                  f"{proc.log_tail()}", proc.url)
+                raise SGLangError(f"{proc.name} ({proc.url}) not ready ({proc.ready_path}) in time; log "
+                                  f"{proc.log_path}:\n{proc.log_tail()}", proc.url)
             time.sleep(poll_s)
 
     def shutdown(self, grace_s: float = 15.0) -> None:
@@ -155,13 +180,21 @@ class SGLangLauncher:
                 _signal_group(proc.process.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for proc in self.processes:
-            try:
-                proc.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(proc.process.pid, signal.SIGKILL)
-                proc.process.wait()
+            _stop(proc, grace_s=max(0.1, deadline - time.monotonic()))
         self.processes.clear()
         atexit.unregister(self.shutdown)
+
+
+def _stop(proc: ManagedProcess, grace_s: float) -> None:
+    """SIGTERM to the process group, SIGKILL after grace_s (what is left of a dead server too:
+    SGLang's scheduler and detokenizer processes share the group)."""
+    _signal_group(proc.process.pid, signal.SIGTERM)
+    try:
+        proc.process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(proc.process.pid, signal.SIGKILL)
+    proc.process.wait()
 
 
 def _signal_group(pid: int, sig: int) -> None:

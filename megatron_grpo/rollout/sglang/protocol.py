@@ -17,23 +17,19 @@ def sampling_params_payload(params: SamplingParams, n: int, seed: int | None) ->
     return payload
 
 
-def generate_payload(request: GenerationRequest) -> dict[str, Any]:
-    """One HTTP request for all n samples of a prompt.
+def generate_payloads(request: GenerationRequest) -> list[tuple[int, dict[str, Any]]]:
+    """The HTTP requests for all n samples of a prompt, each with the index of its first sample.
 
-    Unseeded: `n` in sampling_params (SGLang shares the prompt's prefix cache). Seeded: a batch of
-    n copies of the prompt, each with its derived seed, because SGLang gives all n samples of one
-    request the same `sampling_seed` (identical samples)."""
+    Unseeded: one request with `n` (SGLang fans it out and shares the prompt's prefix cache).
+    Seeded: one n=1 request per sample with its derived seed, because SGLang gives all n samples
+    of one request the same `sampling_seed` (identical samples), and sglang-router refuses the
+    batched alternative (a list of sampling_params: 422)."""
     params = request.sampling
-    base = {"return_logprob": True, "logprob_start_len": -1}
+    base = {"input_ids": list(request.prompt_ids), "return_logprob": True, "logprob_start_len": -1}
     if params.seed is None:
-        return {**base, "input_ids": list(request.prompt_ids),
-                "sampling_params": sampling_params_payload(params, params.n, None)}
-    if params.n == 1:
-        return {**base, "input_ids": list(request.prompt_ids),
-                "sampling_params": sampling_params_payload(params, 1, derive_sample_seed(params.seed, 0))}
-    return {**base, "input_ids": [list(request.prompt_ids)] * params.n,
-            "sampling_params": [sampling_params_payload(params, 1, derive_sample_seed(params.seed, j))
-                                for j in range(params.n)]}
+        return [(0, {**base, "sampling_params": sampling_params_payload(params, params.n, None)})]
+    return [(j, {**base, "sampling_params": sampling_params_payload(params, 1, derive_sample_seed(params.seed, j))})
+            for j in range(params.n)]
 
 
 def parse_weight_version(value: Any, where: str) -> int:
@@ -47,12 +43,14 @@ def parse_weight_version(value: Any, where: str) -> int:
                           f"integer versions)") from None
 
 
-def parse_generate_response(body: Any, request: GenerationRequest, where: str) -> list[Sample]:
+def parse_generate_response(body: Any, request: GenerationRequest, where: str, first_index: int = 0,
+                            count: int | None = None) -> list[Sample]:
+    """Samples `first_index .. first_index + count - 1` of `request` from one /generate answer."""
+    count = request.sampling.n if count is None else count
     items = body if isinstance(body, list) else [body]
-    if len(items) != request.sampling.n:
-        raise SGLangError(f"{where}: expected {request.sampling.n} outputs for request {request.group_id!r}, "
-                          f"got {len(items)}")
-    return [_parse_item(item, request, j, where) for j, item in enumerate(items)]
+    if len(items) != count:
+        raise SGLangError(f"{where}: expected {count} outputs for request {request.group_id!r}, got {len(items)}")
+    return [_parse_item(item, request, first_index + j, where) for j, item in enumerate(items)]
 
 
 def _parse_item(item: Any, request: GenerationRequest, index: int, where: str) -> Sample:

@@ -1,36 +1,39 @@
 """SGLang's tensor payloads for /update_weights_from_tensor.
 
-Wire format (sglang >= 0.5, `load_format="flattened_bucket"`): one base64 string per engine TP
-rank, each the ForkingPickler bytes of {"flattened_tensor": uint8 tensor, "metadata": [meta...]}
-where meta has name, shape, dtype, start_idx, end_idx, numel (byte offsets into the flat tensor).
+Wire format: one base64 string per engine TP rank, each the ForkingPickler bytes of the payload.
 ForkingPickler reduces CUDA tensors to CUDA IPC handles (no copy); CPU tensors are moved to shared
 memory and reduced to a shm file name ("file_system" strategy, since the receiving server is not
-our child process and cannot receive file descriptors)."""
+our child process and cannot receive file descriptors).
+
+The server unpickles with SGLang's SafeUnpickler, which admits torch types, builtins and SGLang's
+own classes only (anything else crashes its scheduler). So the payload is either
+- `flattened_bucket` (one flat uint8 tensor + SGLang's `FlattenedTensorMetadata` per tensor), when
+  sglang is importable here, as in colocated deployments; or
+- `load_format=None`: a plain list of (name, tensor) pairs, builtins and torch only, when it is not.
+"""
 from __future__ import annotations
 
 import base64
 import contextlib
 import io
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.multiprocessing as torch_mp
 from multiprocessing.reduction import ForkingPickler
 
-MetadataFormat = Literal["sglang", "plain"]
+from megatron_grpo.optional import available
+
+_SGLANG_BUCKET_MODULE = "sglang.srt.weight_sync.tensor_bucket"
 
 
-@dataclass
-class FlatTensorMeta:
-    """Field-for-field the metadata of sglang's FlattenedTensorBucket (used when sglang is absent)."""
+@dataclass(frozen=True)
+class TensorPayload:
+    """What one /update_weights_from_tensor call carries: its `load_format` and the object to pickle."""
 
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
+    load_format: Optional[str]
+    obj: Any
 
 
 @contextlib.contextmanager
@@ -51,28 +54,26 @@ def serialize(obj: Any) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def deserialize(data: str) -> Any:
-    import pickle
-
-    return pickle.loads(base64.b64decode(data, validate=True))
+def sglang_bucket_available() -> bool:
+    return available(_SGLANG_BUCKET_MODULE)
 
 
-def _metadata_class(metadata_format: MetadataFormat) -> type:
-    if metadata_format == "plain":
-        return FlatTensorMeta
-    from megatron_grpo.optional import require
-
-    # The real server unpickles only its own class, so the payload must carry sglang's.
-    module = require("sglang.srt.weight_sync.tensor_bucket", "the colocated /update_weights_from_tensor transport")
-    return module.FlattenedTensorMetadata
-
-
-def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]], metadata_format: MetadataFormat = "sglang"
-                   ) -> dict[str, Any]:
-    """{"flattened_tensor", "metadata"}: all tensors' bytes concatenated (any mix of dtypes)."""
+def tensor_payload(named_tensors: list[tuple[str, torch.Tensor]], flattened: bool | None = None) -> TensorPayload:
+    """The payload of one bucket; `flattened=None` picks flattened_bucket when sglang imports."""
     if not named_tensors:
-        raise ValueError("cannot flatten an empty bucket")
-    meta_cls = _metadata_class(metadata_format)
+        raise ValueError("cannot send an empty bucket")
+    if flattened is None:
+        flattened = sglang_bucket_available()
+    if not flattened:
+        return TensorPayload(None, [(name, tensor.detach().contiguous()) for name, tensor in named_tensors])
+    return TensorPayload("flattened_bucket", flatten_bucket(named_tensors))
+
+
+def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """{"flattened_tensor", "metadata"} with SGLang's metadata class: all tensors' bytes concatenated."""
+    import importlib
+
+    meta_cls = importlib.import_module(_SGLANG_BUCKET_MODULE).FlattenedTensorMetadata
     parts, metadata, offset = [], [], 0
     for name, tensor in named_tensors:
         flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
@@ -81,14 +82,3 @@ def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]], metadata_forma
         parts.append(flat)
         offset += flat.numel()
     return {"flattened_tensor": torch.cat(parts), "metadata": metadata}
-
-
-def unflatten_bucket(payload: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    """Inverse of flatten_bucket (the fake server's side); views into the flat tensor."""
-    flat = payload["flattened_tensor"]
-    out = []
-    for meta in payload["metadata"]:
-        get = meta.get if isinstance(meta, dict) else lambda key, m=meta: getattr(m, key)
-        piece = flat[get("start_idx"):get("end_idx")]
-        out.append((get("name"), piece.view(get("dtype")).reshape(get("shape"))))
-    return out

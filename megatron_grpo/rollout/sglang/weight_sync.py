@@ -10,9 +10,10 @@ Every transport consumes one stream of HF-named full tensors (the exporter's out
   /update_weights_from_tensor.
 - DiskTransport: an HF safetensors folder in a shared directory, then /update_weights_from_disk.
 
-`update_weights` wraps a transport in the protocol of one update: pause_generation, push,
-flush_cache (retried while requests drain), continue_generation; every request carries the
-weight_version stamp."""
+`update_weights` wraps a transport in the protocol of one update, as SGLang 0.5.23 requires it:
+pause_generation, begin_weight_update (distributed and tensor updates are refused outside such a
+session), push, end_weight_update, flush_cache (retried while requests drain),
+continue_generation; every request carries the weight_version stamp."""
 from __future__ import annotations
 
 import abc
@@ -30,8 +31,9 @@ from megatron_grpo.rollout.hf_folder import write_hf_folder
 from megatron_grpo.rollout.sglang.buckets import iter_buckets, tensor_bytes
 from megatron_grpo.rollout.sglang.client import SGLangClient
 from megatron_grpo.rollout.sglang.errors import SGLangError
+from megatron_grpo.rollout.sglang.http_json import RetryPolicy
 from megatron_grpo.rollout.sglang.process_group import destroy_process_group, init_custom_process_group
-from megatron_grpo.rollout.sglang.serialization import MetadataFormat, flatten_bucket, serialize
+from megatron_grpo.rollout.sglang.serialization import serialize, tensor_payload
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -58,9 +60,16 @@ class EngineTarget:
 
 class WeightTransport(abc.ABC):
     targets: Sequence[EngineTarget]
+    # SGLang refuses /update_weights_from_distributed and /update_weights_from_tensor outside a
+    # begin/end_weight_update session; /update_weights_from_disk needs none.
+    needs_session: bool = True
 
     @abc.abstractmethod
     def push(self, named_tensors: NamedTensors, version: int) -> SyncStats: ...
+
+    def set_targets(self, targets: Sequence[EngineTarget]) -> None:
+        """The engines later pushes go to (after one died or was restarted)."""
+        self.targets = list(targets)
 
     def close(self) -> None:
         pass
@@ -137,6 +146,15 @@ class DistributedTransport(WeightTransport):
         stats.seconds = time.perf_counter() - start
         return stats
 
+    def set_targets(self, targets: Sequence[EngineTarget]) -> None:
+        """A new group with these engines: a restarted engine is a new process that never joined
+        the old group, and a group cannot shrink. The old one is destroyed first."""
+        self.close()
+        self.targets = list(targets)
+        self.world_size = 1 + sum(t.tp_size for t in self.targets)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.targets)), thread_name_prefix="weight-sync")
+        self.connect()
+
     def _wait_broadcasts(self, works: list, futures: list[Future]) -> None:
         """Waits for the broadcasts, but fails fast (instead of hanging until the group timeout)
         if an engine already answered the update request with an error."""
@@ -167,15 +185,16 @@ class TensorTransport(WeightTransport):
     On one node each engine TP rank must get the payload made by the trainer rank on its GPU:
     pass `gather_payloads(payload) -> list[str] | None` that gathers them to the posting rank
     (None on ranks that do not post). Without it the one payload is replicated to all TP ranks,
-    which is right for tp_size 1 and for CPU tensors."""
+    which is right for tp_size 1 and for CPU tensors. `flattened=None` sends SGLang's
+    flattened_bucket when sglang imports here, else a plain (name, tensor) list."""
 
     def __init__(self, client: SGLangClient, target: EngineTarget, *, bucket_bytes: int = 512 * 2**20,
-                 metadata_format: MetadataFormat = "sglang",
-                 gather_payloads: Callable[[str], list[str] | None] | None = None, timeout_s: float = 600.0):
+                 flattened: bool | None = None, gather_payloads: Callable[[str], list[str] | None] | None = None,
+                 timeout_s: float = 600.0):
         self.client = client
         self.targets = [target]
         self.bucket_bytes = bucket_bytes
-        self.metadata_format = metadata_format
+        self.flattened = flattened
         self.gather_payloads = gather_payloads
         self.timeout_s = timeout_s
 
@@ -184,15 +203,15 @@ class TensorTransport(WeightTransport):
         start = time.perf_counter()
         target = self.targets[0]
         for bucket in iter_buckets(named_tensors, self.bucket_bytes):
-            flat = flatten_bucket(bucket, self.metadata_format)  # alive until the server answered
-            payload = serialize(flat)
-            payloads = self.gather_payloads(payload) if self.gather_payloads else [payload] * target.tp_size
+            payload = tensor_payload(bucket, self.flattened)  # its tensors stay alive until the server answered
+            serialized = serialize(payload.obj)
+            payloads = self.gather_payloads(serialized) if self.gather_payloads else [serialized] * target.tp_size
             if payloads is not None:
                 answer = self.client.call(target.url, "/update_weights_from_tensor", {
-                    "serialized_named_tensors": payloads, "load_format": "flattened_bucket", "flush_cache": False,
+                    "serialized_named_tensors": payloads, "load_format": payload.load_format, "flush_cache": False,
                     "weight_version": str(version)}, timeout_s=self.timeout_s)
                 _check(target.url, "/update_weights_from_tensor", answer)
-            del flat
+            del payload
             stats.num_tensors += len(bucket)
             stats.num_bytes += sum(tensor_bytes(t) for _, t in bucket)
             stats.num_buckets += 1
@@ -203,6 +222,8 @@ class TensorTransport(WeightTransport):
 class DiskTransport(WeightTransport):
     """Writes `folder/weights_v{version}` (shared with the servers), then every server reloads it.
     Keeps the newest `keep_last` folders; config/tokenizer files come from `side_files_from`."""
+
+    needs_session = False
 
     def __init__(self, client: SGLangClient, targets: Sequence[EngineTarget], folder: str | Path, *,
                  side_files_from: str | Path | None = None, keep_last: int = 1, max_shard_bytes: int = 2 * 1024**3,
@@ -256,13 +277,33 @@ def flush_cache(client: SGLangClient, url: str, timeout_s: float = 60.0) -> None
 
 def update_weights(client: SGLangClient, transport: WeightTransport, named_tensors: NamedTensors,
                    version: int) -> SyncStats:
-    """One update of every engine behind `transport`: pause, push, flush, continue."""
+    """One update of every engine behind `transport` (see the module docstring for the order)."""
     urls = [t.url for t in transport.targets]
     client.call_all("/pause_generation", {"mode": "abort"}, urls=urls)
     try:
-        stats = transport.push(named_tensors, version)
+        if transport.needs_session:
+            client.call_all("/begin_weight_update", {}, urls=urls)
+            try:
+                stats = transport.push(named_tensors, version)
+            except BaseException:
+                _end_session_best_effort(client, urls)
+                raise
+            for url, answer in zip(urls, client.call_all("/end_weight_update", {}, urls=urls)):
+                _check(url, "/end_weight_update", answer)
+        else:
+            stats = transport.push(named_tensors, version)
         for url in urls:
             flush_cache(client, url)
     finally:
         client.call_all("/continue_generation", {}, urls=urls)
     return stats
+
+
+def _end_session_best_effort(client: SGLangClient, urls: list[str]) -> None:
+    """After a failed push: close the session where the engine still answers, so that the next
+    update can begin one (the push's own error is the one that matters)."""
+    for url in urls:
+        try:
+            client.call(url, "/end_weight_update", {}, retry=RetryPolicy(max_attempts=1), timeout_s=30.0)
+        except SGLangError:
+            pass

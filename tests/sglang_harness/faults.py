@@ -1,0 +1,30 @@
+"""Faults the CPU scheduler injects for tests, read from the server's environment (the server's
+command line stays exactly SGLang's):
+
+    HARNESS_DIE_ON_GENERATE=N     the process exits hard (os._exit) at the N-th /generate request
+    HARNESS_FORWARD_DELAY_S=S     sleep S seconds before every forward pass (slows generation)
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Faults:
+    die_on_generate: int = 0
+    forward_delay_s: float = 0.0
+
+    @classmethod
+    def from_env(cls) -> "Faults":
+        return cls(die_on_generate=int(os.environ.get("HARNESS_DIE_ON_GENERATE", "0")),
+                   forward_delay_s=float(os.environ.get("HARNESS_FORWARD_DELAY_S", "0")))
+
+    def on_generate(self, count: int) -> None:
+        if self.die_on_generate and count >= self.die_on_generate:
+            os._exit(17)  # the scheduler dies mid-request; SGLang's watchdog then ends the server
+
+    def before_forward(self) -> None:
+        if self.forward_delay_s:
+            time.sleep(self.forward_delay_s)

@@ -1,0 +1,69 @@
+"""Start SGLang test servers (and the real sglang-router) through the project's own launcher."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import pytest
+
+from megatron_grpo.rollout.sglang.launcher import RouterSettings, ServerSettings, SGLangLauncher
+from megatron_grpo.testing.distributed import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SGLANG_PYTHON = REPO_ROOT / "build" / "sglang-venv" / "bin" / "python"
+SERVER_MODULE = "tests.sglang_harness.server"
+
+
+def sglang_python() -> str:
+    """The interpreter with SGLang's code (scripts/setup_sglang_venv.sh). Missing: the test skips,
+    except under scripts/test.sh (MEGATRON_GRPO_REQUIRE_SGLANG=1), where it fails."""
+    if not SGLANG_PYTHON.exists():
+        message = f"{SGLANG_PYTHON} is missing: run `bash scripts/setup_sglang_venv.sh`"
+        if os.environ.get("MEGATRON_GRPO_REQUIRE_SGLANG") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return str(SGLANG_PYTHON)
+
+
+def server_command() -> tuple[str, ...]:
+    return (sglang_python(), "-m", SERVER_MODULE)
+
+
+def server_settings(model_dir: str | Path, tp_size: int = 1, extra_args: Sequence[str] = (),
+                    api_key: str | None = None, deterministic: bool = True) -> ServerSettings:
+    return ServerSettings(model_path=str(model_dir), tp_size=tp_size, port=free_port(), api_key=api_key,
+                          enable_deterministic_inference=deterministic,
+                          extra_args=("--skip-server-warmup", *extra_args), command=server_command())
+
+
+def router_settings(policy: str = "round_robin") -> RouterSettings:
+    return RouterSettings(port=free_port(), policy=policy,
+                          command=(sglang_python(), "-m", "sglang_router.launch_router"))
+
+
+def harness_env(faults: Mapping[str, str] | None = None) -> dict[str, str]:
+    """PYTHONPATH for the harness package, one thread per process, and any HARNESS_* faults."""
+    return {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            # SGLang torch.compile()s its seeded sampler; compiling C++ on CPU takes far longer
+            # than the tiny model's whole test, and eager mode computes the same.
+            "TORCHDYNAMO_DISABLE": "1", **(faults or {})}
+
+
+def launch_servers(log_dir: str | Path, settings: Sequence[ServerSettings], *, router: RouterSettings | None = None,
+                   faults: Mapping[str, str] | None = None, timeout_s: float = 300.0) -> SGLangLauncher:
+    """Starts the servers (and router) and waits until they serve; the caller shuts them down."""
+    launcher = SGLangLauncher(servers=list(settings), log_dir=log_dir, router=router, env=harness_env(faults))
+    launcher.start()
+    try:
+        launcher.wait_healthy(timeout_s=timeout_s, poll_s=0.5)
+    except BaseException:
+        launcher.shutdown(grace_s=2)
+        raise
+    return launcher
+
+
+def trainer_overrides(model_dir: str | Path) -> list[str]:
+    """Recipe overrides that make the trainer launch harness servers instead of sglang.launch_server."""
+    return [f"rollout.sglang.launch_command=[{sglang_python()},-m,{SERVER_MODULE},--skip-server-warmup]"]

@@ -1,0 +1,383 @@
+"""The CPU stand-in for SGLang's GPU scheduler process (one process per engine TP rank).
+
+SGLang's real `launch_server` starts this through its `run_scheduler_process_func` hook, so the
+HTTP app, the TokenizerManager (request parsing, `GenerateReqInput.normalize_batch_and_arguments`,
+`SamplingParams.normalize()/verify()`, n>1 fan-out, pause/abort bookkeeping, weight-update locks,
+output formatting) and the DetokenizerManager that surround it are SGLang's own processes.
+
+What runs here is SGLang's code too, except the loop and the forward pass:
+- requests are SGLang `Req` objects (their `update_finish_state` applies SGLang's stop rules), and
+  finished ones go out through SGLang's `SchedulerOutputStreamer`;
+- sampling uses SGLang's torch-native sampler functions; `sampling_seed` takes effect only when the
+  server runs with `--enable-deterministic-inference`, as in SGLang; returned log-probs are
+  log_softmax(logits / temperature) before top-p/top-k, SGLang's default;
+- weight updates, the begin/end session, release/resume tag bookkeeping and `/weights_checker` are
+  SGLang's `SchedulerWeightUpdaterManager`, `WeightUpdater` and `WeightChecker`, including
+  `init_custom_process_group` + broadcast receive and `MultiprocessingSerializer` (SafeUnpickler);
+- process groups come from SGLang's own `init_parallel_runtime(device="cpu")` (gloo); with
+  `--tp-size N` the N ranks each hold a full copy of the model, rank 0 generates, and every rank
+  runs every control request (SGLang broadcasts them the same way), so per-rank payloads and
+  weight-update group ranks are exercised.
+Ours: the decode loop (one HF forward per running request per step, KV cache in HF's cache),
+the CPU memory saver (releasing `weights` zeroes them: SGLang drops their contents too unless
+`--enable-weights-cpu-backup`), and a scheduler-side exception ends the server as SGLang's does
+(SIGQUIT to the server process). Faults for tests come from environment variables (faults.py).
+"""
+from __future__ import annotations
+
+from tests.sglang_harness import torchvision_stub
+
+torchvision_stub.install()
+
+import logging  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from tests.sglang_harness.faults import Faults  # noqa: E402
+
+log = logging.getLogger("sglang_harness.scheduler")
+
+
+def run_cpu_scheduler(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer, *args, **kwargs):
+    """Drop-in for sglang.srt.managers.scheduler.run_scheduler_process (same arguments)."""
+    import psutil
+    from sglang.srt.managers.scheduler import resolve_spawn_dp_rank
+    from sglang.srt.runtime_context import SpawnRanks, publish, spawn_world_rank
+
+    publish(server_args, role="scheduler",
+            ranks=SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=pp_rank),
+                             dp_rank=resolve_spawn_dp_rank(dp_rank), gpu_id=gpu_id))
+    torch.set_num_threads(1)
+    parent = psutil.Process().parent()
+    try:
+        scheduler = CpuScheduler(server_args, port_args)
+        pipe_writer.send(scheduler.init_info())
+        scheduler.run_event_loop()
+    except Exception:  # noqa: BLE001 - SGLang's scheduler ends the server on any exception
+        log.error("Scheduler hit an exception: %s", traceback.format_exc())
+        parent.send_signal(signal.SIGQUIT)
+
+
+class CpuMemorySaver:
+    """torch_memory_saver's pause/resume on CPU: pausing `weights` zeroes the model (the contents
+    are gone, as on a GPU without a CPU backup); pausing `kv_cache` forbids generation."""
+
+    def __init__(self, get_model):
+        self.get_model = get_model
+        self.paused: set[str] = set()
+
+    def pause(self, tag: str) -> None:
+        self.paused.add(tag)
+        if tag == "weights":
+            with torch.no_grad():
+                for param in self.get_model().parameters():
+                    param.zero_()
+
+    def resume(self, tag: str) -> None:
+        self.paused.discard(tag)
+
+
+class CpuModelRunner:
+    """What SGLang's weight-update code reads from a ModelRunner: the model, SGLang's own
+    WeightUpdater bound to it, SGLang's WeightChecker, and a weight exporter."""
+
+    def __init__(self, server_args, model_config, tp_rank: int):
+        from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+        from sglang.srt.utils.weight_checker import WeightChecker
+
+        from tests.sglang_harness.model import load_causal_lm
+
+        self.model_config = model_config
+        self.model = load_causal_lm(server_args.model_path, model_config.dtype)
+        self.tp_size = server_args.tp_size
+        self.weight_updater = WeightUpdater(
+            tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=model_config, custom_weight_loaders={},
+            get_model=lambda: self.model, update_model_fields=self._update_model_fields,
+            recapture_cuda_graph=lambda: None, get_model_runner=lambda: self)
+        self._weight_checker = WeightChecker(get_model=lambda: self.model)
+        self.weight_exporter = self
+
+    def _update_model_fields(self, model, **fields) -> None:
+        self.model = model
+
+    def check_weights(self, action: str, allow_quant_error: bool = False, skip_tensor_list=None, *, role: str):
+        return self._weight_checker.handle(action=action, allow_quant_error=allow_quant_error,
+                                           skip_tensor_list=skip_tensor_list, role=role)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100):
+        return self.model.get_weights_by_name(name, truncate_size, tp_size=self.tp_size)
+
+
+class CpuTpWorker:
+    """The TpModelWorker methods the weight-update manager calls, taken from SGLang's class."""
+
+    def __init__(self, model_runner: CpuModelRunner):
+        from sglang.srt.managers.tp_worker import TpModelWorker
+
+        self.model_runner = model_runner
+        self._model_runner = model_runner
+        self.model_config = model_runner.model_config
+        for name in ("init_weights_update_group", "destroy_weights_update_group", "deserialize_own_rank",
+                     "get_weights_by_name", "weight_update_runners"):
+            setattr(self, name, getattr(TpModelWorker, name).__get__(self))
+
+
+class Running:
+    """One request being decoded: SGLang's Req plus our HF KV cache."""
+
+    def __init__(self, req, past_key_values=None):
+        self.req = req
+        self.past_key_values = past_key_values
+
+
+class CpuScheduler:
+    def __init__(self, server_args, port_args):
+        import zmq
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+        from sglang.srt.distributed.bootstrap import init_parallel_runtime
+        from sglang.srt.managers.scheduler_components.ipc_channels import SchedulerIpcChannels
+        from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+        from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+        from sglang.srt.runtime_context import get_exec, get_parallel, get_serving
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+
+        from tests.sglang_harness import kernels
+
+        kernels.install()
+        self.server_args = server_args
+        self.faults = Faults.from_env()
+        init_parallel_runtime(server_args=server_args, device="cpu", dist_port=port_args.nccl_port)
+        self.tp_rank, self.tp_size = get_parallel().tp_rank, get_parallel().tp_size
+        self.tp_cpu_group = get_parallel().tp_group.cpu_group
+        self.model_config = ModelConfig.from_server_args(server_args)
+        self.tokenizer = get_tokenizer(get_serving().tokenizer_path or server_args.model_path)
+        self.deterministic = bool(get_exec().deterministic.enable_deterministic_inference)
+        self.runner = CpuModelRunner(server_args, self.model_config, self.tp_rank)
+        self.memory_saver = CpuMemorySaver(lambda: self.runner.model)
+        self.disaggregation_mode = DisaggregationMode.NULL
+        self._engine_paused = False
+        self.waiting: list = []
+        self.running: list[Running] = []
+        self.ipc = SchedulerIpcChannels.create(port_args=port_args, is_rank_zero=self.tp_rank == 0,
+                                               skip_tokenizer_init=server_args.skip_tokenizer_init,
+                                               metrics_enabled=False, enable_scripted_runtime=False)
+        self.poller = None
+        if self.ipc.recv_from_tokenizer is not None:
+            self.poller = zmq.Poller()
+            self.poller.register(self.ipc.recv_from_tokenizer, zmq.POLLIN)
+        self.weight_updater = SchedulerWeightUpdaterManager(
+            tp_worker=CpuTpWorker(self.runner), draft_worker=None, memory_saver_adapter=self.memory_saver,
+            flush_cache=self.flush_cache, is_fully_idle=self.is_fully_idle, scheduler=self)
+        self.output_streamer = SchedulerOutputStreamer(
+            send_to_detokenizer=self.ipc.send_to_detokenizer, tree_cache=None, server_args=server_args,
+            is_generation=True, spec_algorithm=SpeculativeAlgorithm.NONE, disaggregation_mode=self.disaggregation_mode,
+            enable_hicache_storage=lambda: False)
+        self.dispatcher = self._build_dispatcher()
+        self.generate_count = 0
+
+    def init_info(self) -> dict[str, Any]:
+        return {"status": "ready", "max_total_num_tokens": 1 << 20,
+                "max_req_input_len": self.model_config.context_len - 1, "startup_time": {}}
+
+    def _build_dispatcher(self):
+        from sglang.srt.managers import io_struct as io
+        from sglang.utils import TypeBasedDispatcher
+
+        w = self.weight_updater
+        return TypeBasedDispatcher([
+            (io.TokenizedGenerateReqInput, self.handle_generate_request),
+            (io.BatchTokenizedGenerateReqInput, self.handle_batch_generate_request),
+            (io.FlushCacheReqInput, lambda req: io.FlushCacheReqOutput(success=self.flush_cache())),
+            (io.AbortReq, self.abort_request),
+            (io.PauseGenerationReqInput, self.pause_generation),
+            (io.ContinueGenerationReqInput, self.continue_generation),
+            (io.UpdateWeightVersionReqInput, self.handle_update_weight_version),
+            (io.FreezeGCReq, lambda req: None),
+            (io.GetInternalStateReq, lambda req: io.GetInternalStateReqOutput(internal_state={})),
+            (io.UpdateWeightFromDiskReqInput, w.update_weights_from_disk),
+            (io.InitWeightsUpdateGroupReqInput, w.init_weights_update_group),
+            (io.DestroyWeightsUpdateGroupReqInput, w.destroy_weights_update_group),
+            (io.BeginWeightUpdateReqInput, w.begin_weight_update),
+            (io.EndWeightUpdateReqInput, w.end_weight_update),
+            (io.UpdateWeightsFromDistributedReqInput, w.update_weights_from_distributed),
+            (io.UpdateWeightsFromTensorReqInput, w.update_weights_from_tensor),
+            (io.GetWeightsByNameReqInput, w.get_weights_by_name),
+            (io.ReleaseMemoryOccupationReqInput, w.release_memory_occupation),
+            (io.ResumeMemoryOccupationReqInput, w.resume_memory_occupation),
+            (io.CheckWeightsReqInput, w.check_weights),
+        ])
+
+    # ----- the event loop -----------------------------------------------------------------------
+    def run_event_loop(self) -> None:
+        while True:
+            for recv_req in self.recv_requests():
+                if _is_health_check(recv_req) and not self.is_fully_idle():
+                    continue  # SGLang skips the probe when busy: running requests prove health
+                output = self.dispatcher(recv_req)
+                if output is not None:
+                    self.ipc.send_to_tokenizer.send_output(output, recv_req)
+            if not self._engine_paused:
+                self.step()
+
+    def recv_requests(self) -> list:
+        """Rank 0 drains its socket (waiting briefly when idle); SGLang broadcasts the list to the
+        other TP ranks so that every rank runs every control request."""
+        import zmq
+        from sglang.srt.utils import broadcast_pyobj
+
+        reqs = []
+        if self.tp_rank == 0:
+            idle = not (self.waiting or self.running) or self._engine_paused
+            if self.poller.poll(50 if idle else 0):
+                while True:
+                    try:
+                        reqs.append(self.ipc.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
+                    except zmq.ZMQError:
+                        break
+        if self.tp_size > 1:
+            reqs = broadcast_pyobj(reqs, self.tp_rank, self.tp_cpu_group, src=0)
+        return reqs
+
+    def step(self) -> None:
+        """Prefill the waiting requests, then one decode step for every running one (rank 0 only)."""
+        if self.tp_rank != 0:
+            return
+        if (self.waiting or self.running) and "kv_cache" in self.memory_saver.paused:
+            raise RuntimeError("generation while the KV cache is released (release_memory_occupation)")
+        while self.waiting:
+            req = self.waiting.pop(0)
+            self.running.append(Running(req))
+        finished = []
+        for item in list(self.running):
+            self._decode_one(item)
+            if item.req.finished():
+                self.running.remove(item)
+                finished.append(item.req)
+        if finished:
+            self.output_streamer.stream_output(finished, any(r.return_logprob for r in finished))
+
+    @torch.no_grad()
+    def _decode_one(self, item: Running) -> None:
+        req = item.req
+        if req.to_finish is not None:
+            req.update_finish_state(0)
+            return
+        if item.past_key_values is None:
+            tokens = list(req.origin_input_ids) + list(req.output_ids)
+        else:
+            tokens = [req.output_ids[-1]]
+        self.faults.before_forward()
+        out = self.runner.model(input_ids=torch.tensor([tokens]), past_key_values=item.past_key_values,
+                                use_cache=True)
+        item.past_key_values = out.past_key_values
+        position = len(req.origin_input_ids) + len(req.output_ids)
+        token, logprob = self._sample(out.logits[0, -1].float(), req.sampling_params, position)
+        req.output_ids.append(token)
+        if req.return_logprob:
+            req.logprob.output_token_logprobs_val.append(logprob)
+            req.logprob.output_token_logprobs_idx.append(token)
+        req.update_finish_state(1)
+
+    def _sample(self, logits: torch.Tensor, params, position: int) -> tuple[int, float]:
+        from sglang.srt.layers.sampler import (sampling_from_probs_torch,
+                                               top_k_top_p_min_p_sampling_from_probs_torch)
+
+        logits = (logits / params.temperature).unsqueeze(0)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+        seed = None
+        if self.deterministic:  # SGLang honours sampling_seed only in deterministic mode (42 if unset)
+            seed = torch.tensor([params.sampling_seed if params.sampling_seed is not None else 42])
+        positions = torch.tensor([position])
+        if params.top_k >= probs.shape[-1] and params.top_p >= 1.0 and params.min_p <= 0.0:
+            token = sampling_from_probs_torch(probs, sampling_seed=seed, positions=positions)
+        else:
+            token = top_k_top_p_min_p_sampling_from_probs_torch(
+                probs, torch.tensor([min(params.top_k, probs.shape[-1])]), torch.tensor([params.top_p]),
+                torch.tensor([params.min_p]), params.min_p > 0, seed, positions)
+        token_id = int(token.view(-1)[0])
+        return token_id, float(logprobs[0, token_id])
+
+    # ----- requests -----------------------------------------------------------------------------
+    def handle_generate_request(self, recv_req) -> None:
+        from sglang.srt.managers.schedule_batch import Req
+
+        self.generate_count += 1
+        if not _is_health_check(recv_req):
+            self.faults.on_generate(self.generate_count)
+        req = Req(recv_req.rid, recv_req.input_text, recv_req.input_ids, recv_req.sampling_params,
+                  return_logprob=recv_req.return_logprob, top_logprobs_num=recv_req.top_logprobs_num,
+                  token_ids_logprob=recv_req.token_ids_logprob, stream=recv_req.stream,
+                  eos_token_ids=self.model_config.hf_eos_token_id, vocab_size=self.model_config.vocab_size,
+                  http_worker_ipc=recv_req.http_worker_ipc, time_stats=recv_req.time_stats)
+        req.tokenizer = self.tokenizer
+        if recv_req.return_logprob:
+            for field in ("output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val",
+                          "output_top_logprobs_idx", "output_token_ids_logprobs_val",
+                          "output_token_ids_logprobs_idx"):
+                setattr(req.logprob, field, [])
+        if len(req.origin_input_ids) >= self.model_config.context_len:
+            req.set_finish_with_abort(f"the input ({len(req.origin_input_ids)} tokens) is longer than the "
+                                      f"model's context length ({self.model_config.context_len})")
+            self.output_streamer.stream_output([req], req.return_logprob)
+            return
+        self.waiting.append(req)
+
+    def handle_batch_generate_request(self, batch) -> None:
+        for recv_req in batch:
+            self.handle_generate_request(recv_req)
+
+    def abort_request(self, recv_req) -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+        from sglang.srt.managers.scheduler import _make_abort_req
+
+        def matches(req) -> bool:
+            return recv_req.abort_all or req.rid.startswith(recv_req.rid)
+
+        for req in [r for r in self.waiting if matches(r)]:
+            self.waiting.remove(req)
+            self.ipc.send_to_tokenizer.send_output(_make_abort_req(req, finished_reason=recv_req.finished_reason), req)
+        for item in self.running:
+            if not item.req.finished() and matches(item.req):
+                item.req.to_finish = FINISH_ABORT()
+
+    def pause_generation(self, recv_req) -> None:
+        self._engine_paused = True  # in_place and retract both stop the loop; nothing is lost
+
+    def continue_generation(self, recv_req) -> None:
+        self._engine_paused = False
+
+    def handle_update_weight_version(self, recv_req):
+        from sglang.srt.managers.io_struct import UpdateWeightVersionReqOutput
+
+        self.record_weight_version_change(new_version=recv_req.new_version)
+        return UpdateWeightVersionReqOutput()
+
+    def record_weight_version_change(self, new_version) -> None:
+        from sglang.srt.runtime_context import get_context, get_serving
+        from sglang.srt.utils.weight_versions import record_weight_version_events
+
+        if new_version is None or new_version == get_serving().weight_version:
+            return
+        old_version = get_serving().weight_version
+        get_context().override("scheduler.weight_version", weight_version=new_version)
+        record_weight_version_events({*(i.req for i in self.running), *self.waiting}, old_version=old_version)
+
+    def is_fully_idle(self, for_health_check: bool = False, ignore_waiting: bool = False) -> bool:
+        return not self.running and (ignore_waiting or not self.waiting)
+
+    def flush_cache(self, empty_cache: bool = True) -> bool:
+        """SGLang refuses to flush while requests run or wait; there is no prefix cache here."""
+        return self.is_fully_idle()
+
+
+def _is_health_check(recv_req) -> bool:
+    from sglang.srt.managers.utils import is_health_check_generate_req
+
+    return is_health_check_generate_req(recv_req)
