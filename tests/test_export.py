@@ -99,7 +99,8 @@ def train_and_probe(root: Path, world_size: int, layout: list[str], with_logits:
 @pytest.fixture(scope="module")
 def trained_tp2_pp2(tmp_path_factory):
     """Trained at TP=2 x PP=2 (4 gloo processes)."""
-    return train_and_probe(tmp_path_factory.mktemp("export"), 4, ["parallel.tensor=2", "parallel.pipeline=2"])
+    return train_and_probe(tmp_path_factory.mktemp("export"), 4, ["parallel.tensor=2", "parallel.pipeline=2",
+                                                                    "checkpoint.save_hf=true"])
 
 
 @pytest.mark.slow
@@ -137,16 +138,20 @@ def test_export_tp2_pp2_run_on_one_process_gives_the_trainers_logits(trained_tp2
 
 @pytest.mark.slow
 def test_save_hf_writes_the_same_folder_from_the_live_policy(trained_tp2_pp2):
-    """write_hf_export (checkpoint.save_hf) from the TP2xPP2 policy in memory equals the export of
-    the step it saved, file by file."""
+    """checkpoint.save_hf's step_2/hf, and write_hf_export of the TP2xPP2 policy in memory, equal
+    the export of the step's Megatron checkpoint, file by file."""
     run, live = trained_tp2_pp2["run"], trained_tp2_pp2["live_hf"]
     out = trained_tp2_pp2["root"] / "from_step_folder"
     step = run / "checkpoints" / "step_2"
     result = megatron_grpo("convert", "megatron-to-hf", "--ckpt", str(step), "--out", str(out))
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in live.iterdir()) == sorted(p.name for p in out.iterdir())
-    for path in out.iterdir():
-        assert (live / path.name).read_bytes() == path.read_bytes(), path.name
+    names = sorted(p.name for p in out.iterdir())
+    recorded = json.loads((step / "complete.json").read_text())["files"]
+    for folder in (live, step / "hf"):
+        assert sorted(p.name for p in folder.iterdir()) == names, folder
+        for name in names:
+            assert (folder / name).read_bytes() == (out / name).read_bytes(), (folder, name)
+    assert all(f"hf/{name}" in recorded for name in names)  # saved with the step, covered by its marker
 
 
 @pytest.mark.slow
@@ -159,7 +164,8 @@ def test_export_of_a_cp2_dp2_distributed_optimizer_run_is_the_live_policy(tmp_pa
     result = megatron_grpo("export", str(trained["run"] / "checkpoints"), "--step", "2", "--out", str(out))
     assert result.returncode == 0, result.stderr
     state = json.loads((trained["run"] / "checkpoints" / "step_2" / "trainer_state.json").read_text())
-    assert state["layout"] == {"world_size": 4, "tp": 1, "pp": 1, "cp": 2, "dp": 2}
+    saved_at = {key: state["layout"][key] for key in ("world_size", "tp", "pp", "cp", "dp")}
+    assert saved_at == {"world_size": 4, "tp": 1, "pp": 1, "cp": 2, "dp": 2}
     live, exported = hf_tensors(trained["live_hf"]), hf_tensors(out)
     assert sorted(live) == sorted(exported)
     assert all(torch.equal(live[name], exported[name]) for name in live)
