@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""megatron checkpoint (any TP/PP) -> HF folder. See --help; same as `megatron-grpo convert megatron-to-hf`."""
+"""megatron or training checkpoint (any TP/PP/DP/CP) -> HF folder. See --help; same as
+`megatron-grpo convert megatron-to-hf` and `megatron-grpo export`."""
 import sys
 
 from megatron_grpo.convert.cli import main
