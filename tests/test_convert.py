@@ -318,3 +318,21 @@ def test_training_starts_from_a_convert_checkpoint_without_the_hf_weights(tmp_pa
     assert kept == before  # same checkpoint: initial_model/ is reused
     assert rebuilt != before  # the checkpoint changed: initial_model/ follows it
     assert_same_tensors(hf_tensors(other), weights, "initial_model/ after the checkpoint changed")
+
+
+def test_writer_makes_a_generation_config_when_the_source_has_none(tmp_path):
+    """An HF folder without generation_config.json (a hand-made one) still exports with one:
+    transformers' from_model_config choice, the special token ids of config.json."""
+    from megatron_grpo.convert.writer import HFWriter
+
+    src = save_tiny_hf_model("llama", tmp_path / "src", seed=6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    (src / "generation_config.json").unlink()
+    cfg = ModelConfig.from_hf(src)
+    with HFWriter(tmp_path / "out", cfg, assets_dir=src) as writer:
+        for name, tensor in hf_tensors(src).items():
+            writer.add(name, tensor)
+    written = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert written == {"_from_model_config": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    from transformers import GenerationConfig
+
+    assert GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == 2
