@@ -219,7 +219,11 @@ def test_no_launcher():
     info = discover_ranks({})
     assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (0, 1, 0, 1)
     assert (info.launcher, info.master_addr) == ("none", "127.0.0.1")
-    assert 0 < info.master_port < 65536
+    # port 0: the process binds a port the OS picks when it binds, so no other process can take it first
+    assert (info.master_port, info.init_method) == (0, "tcp://127.0.0.1:0")
+    with pytest.raises(LaunchError, match="master port 0 is not a TCP port"):
+        RankInfo(rank=0, world_size=2, local_rank=0, local_world_size=2, master_addr="h", master_port=0,
+                 launcher="torchrun")
 
 
 # ----------------------------------------------------------------------------- layout and devices

@@ -3,16 +3,27 @@
     ctx = init_distributed()                      # discovers ranks from the launcher's env
     initialize_model_parallel(ParallelLayout(tensor=2), seed=1234)
     ...
-    shutdown()
+    shutdown()                                    # on every exit path (trainer/main.py: finally)
 
 nccl on CUDA (one device per local rank: cuda:LOCAL_RANK), gloo on CPU. When the default group
 already exists (the test harness made it), it is checked against the discovered ranks and kept.
+
+Exit: a gloo worker thread releases a finished collective's tensors a moment after the caller's
+wait() returned, and that release takes the GIL. If the interpreter has begun finalizing by then,
+Python ends the thread (pthread_exit); its unwinding through gloo's noexcept destructor calls
+std::terminate: "terminate called without an active exception", SIGABRT, exit 134. shutdown()
+destroys the groups (which joins their workers) and then waits for the workers of groups that
+megatron-core objects keep alive to park; init_distributed() also registers that wait with atexit,
+which runs before finalization, for exit paths that never reach shutdown().
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
+import platform
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -69,6 +80,9 @@ def init_distributed(ranks: RankInfo | None = None, *, env: Mapping[str, str] | 
     gloo without. Safe to call when the group already exists with the same rank and world."""
     if ranks is None:
         ranks = discover_ranks(os.environ if env is None else env, mpi_comm=mpi_comm)
+    from megatron_grpo.launch.lifetime import bind_children_to_this_process
+
+    bind_children_to_this_process()  # megatron's checkpoint writers and their Manager die with us
     cuda = torch.cuda.is_available()
     device = select_device(ranks.local_rank, ranks.local_world_size, torch.cuda.device_count() if cuda else None,
                            ranks.launcher)
@@ -83,6 +97,7 @@ def init_distributed(ranks: RankInfo | None = None, *, env: Mapping[str, str] | 
     dist.init_process_group(backend=backend, init_method=ranks.init_method, rank=ranks.rank,
                             world_size=ranks.world_size,
                             timeout=datetime.timedelta(minutes=timeout_minutes))
+    _register_exit_wait()
     log.info("rank %d/%d (local %d/%d, %s) joined %s on %s via %s", ranks.rank, ranks.world_size,
              ranks.local_rank, ranks.local_world_size, ranks.launcher, backend, device, ranks.init_method)
     return DistributedContext(ranks=ranks, backend=backend, device=device)
@@ -95,14 +110,78 @@ def _check_existing_group(ranks: RankInfo) -> None:
             f"but the {ranks.launcher} environment says rank {ranks.rank}/{ranks.world_size}")
 
 
-def shutdown() -> None:
-    """Destroys megatron's model-parallel groups and the default group (if they exist)."""
+def shutdown(idle_timeout_s: float = 10.0) -> None:
+    """Ends this process's part in the job: destroys megatron's model-parallel groups and the default
+    group (if they exist), then waits until every gloo worker thread is parked (see the module
+    docstring). Local, not a collective: safe on an error path. Idempotent."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    wait_for_idle_gloo_workers(idle_timeout_s)
+
+
+_GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+_FUTEX = {"x86_64": 202, "aarch64": 98}  # futex's syscall number
+_FUTEX_WAIT_BITSET = 9  # the futex op of glibc's pthread_cond_wait (flags masked off)
+_registered = {"exit_wait": False}
+
+
+def wait_for_idle_gloo_workers(timeout_s: float = 10.0) -> list[int]:
+    """Blocks until every gloo worker thread of this process is parked, i.e. sleeps in the untimed
+    condition-variable wait of its run loop, which it enters only after releasing its last work
+    (and so the tensors whose release needs the GIL). A worker busy with a collective, or waiting
+    for the GIL (a timed wait), is not parked. Looks every 1 ms (the sleep also lets a worker take
+    the GIL) until two looks in a row find all parked. Returns the thread ids still busy after `timeout_s` (and logs a warning);
+    [] at once where /proc/self/task/*/syscall cannot tell (not Linux x86_64 / aarch64)."""
+    futex = _FUTEX.get(platform.machine())
+    if futex is None or not os.path.isdir("/proc/self/task"):
+        return []
+    deadline = time.monotonic() + timeout_s
+    parked_before = False
+    while True:
+        busy = [tid for tid in _gloo_worker_threads() if not _parked(tid, futex)]
+        if not busy and parked_before:  # two looks 1 ms apart: not a momentary futex wait
+            return []
+        parked_before = not busy
+        if time.monotonic() >= deadline:
+            log.warning("%d gloo worker threads are still busy %.0f s after the last collective (a peer "
+                        "stopped mid-collective?); exiting anyway, which may abort", len(busy), timeout_s)
+            return busy
+        time.sleep(0.001)
+
+
+def _gloo_worker_threads() -> list[int]:
+    tids = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as handle:
+                if handle.read().strip() == _GLOO_WORKER:
+                    tids.append(int(tid))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return tids
+
+
+def _parked(tid: int, futex: int) -> bool:
+    try:
+        with open(f"/proc/self/task/{tid}/syscall") as handle:
+            fields = handle.read().split()  # "nr arg0..arg5 sp pc", or "running"
+    except OSError:  # the thread ended meanwhile: nothing left to release
+        return True
+    if len(fields) < 5 or fields[0] != str(futex):
+        return False
+    op, timeout = int(fields[2], 16), int(fields[4], 16)
+    return op & 0x7F == _FUTEX_WAIT_BITSET and timeout == 0
+
+
+def _register_exit_wait() -> None:
+    # atexit handlers run before the interpreter starts finalizing (when the abort would happen).
+    if not _registered["exit_wait"]:
+        atexit.register(wait_for_idle_gloo_workers)
+        _registered["exit_wait"] = True
 
 
 def broadcast_from_rank0(value: Any) -> Any:

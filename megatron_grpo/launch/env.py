@@ -17,10 +17,15 @@ communicator), so tests drive it with synthetic environments. Launchers, in orde
             or one derived from SLURM_JOB_ID (every task computes the same one). Only a task
             started by srun counts (SLURM_STEP_ID set): the batch script itself also has
             SLURM_PROCID=0 but is a single process.
-  none      world 1 on 127.0.0.1 with a free port.
+  none      world 1 on 127.0.0.1, port 0: the process binds whichever port the OS gives it, so no
+            other process can take the port between choosing and binding it.
+
+Where a port must be chosen before the process that listens on it exists (a test harness starting
+ranks, a launcher), reserve_port() holds it bound until the listener takes it over.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 from dataclasses import dataclass
@@ -47,7 +52,7 @@ class RankInfo:
     local_rank: int
     local_world_size: int
     master_addr: str
-    master_port: int
+    master_port: int  # 0: any free port (one process, which binds it itself)
     launcher: str
 
     def __post_init__(self) -> None:
@@ -59,7 +64,7 @@ class RankInfo:
         if self.local_world_size > self.world_size:
             raise LaunchError(f"{self.launcher}: local world size {self.local_world_size} exceeds world size "
                               f"{self.world_size}")
-        if not 0 < self.master_port < 65536:
+        if not 0 < self.master_port < 65536 and not (self.master_port == 0 and self.world_size == 1):
             raise LaunchError(f"{self.launcher}: master port {self.master_port} is not a TCP port (1-65535)")
 
     @property
@@ -92,14 +97,30 @@ def discover_ranks(env: Mapping[str, str], mpi_comm: Any = None) -> RankInfo:
         return _from_slurm(env)
     _reject_unlaunched_slurm_allocation(env)
     return RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
-                    master_port=free_port(), launcher=NO_LAUNCHER)
+                    master_port=0, launcher=NO_LAUNCHER)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that nothing listens on right now (the OS picks it)."""
+    """A TCP port that nothing listens on right now (the OS picks it). Another process may take it
+    before you bind it: prefer port 0 where the listener is this process, else reserve_port()."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def reserve_port(host: str = "127.0.0.1"):
+    """Yields a free TCP port that stays bound by this process until the block ends, so the OS gives
+    it to no one else (no bind(0), no outgoing connection) in between. A listener that sets
+    SO_REUSEADDR (torch's TCPStore, most servers) can bind and listen on it meanwhile: Linux lets a
+    second SO_REUSEADDR socket bind a port whose holder is not listening."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
 
 
 # ----------------------------------------------------------------------------------- torchrun

@@ -32,9 +32,15 @@ def main(argv=None) -> int:
     logging.getLogger("megatron_grpo").setLevel(logging.INFO if ranks.rank == 0 else logging.WARNING)
     quiet_known_warnings()
 
+    from megatron_grpo.launch.distributed import shutdown
     from megatron_grpo.trainer.loop import train
 
-    out = train(cfg)
+    try:
+        out = train(cfg)
+    finally:
+        # On every exit path (done, a one-line error, a crash): no gloo worker may still be
+        # releasing a collective when the interpreter finalizes (launch/distributed.py: exit).
+        shutdown()
     if ranks.rank == 0:
         print(f"done: metrics in {out / 'metrics.jsonl'}", flush=True)
     return 0
