@@ -21,7 +21,8 @@ Crash safety: a crash before the rename leaves only a .tmp-step_N folder, which 
 (and removed by the next save); a crash after it leaves a complete step_N. Resume (auto) takes the
 newest step_N whose complete.json is valid and whose files all have the recorded sizes; any other
 is skipped with a warning that names it, and a checkpoint that megatron then fails to read is
-skipped the same way. Whether a checkpoint belongs to this run, fits its model and data, and can
+skipped the same way (if no older one loads, that is an error: DCP reads into the live model in
+place, so a failed read leaves it half overwritten). Whether a checkpoint belongs to this run, fits its model and data, and can
 be resharded to its layout is checked before anything is restored (trainer/resume_plan.py).
 Old checkpoints (keep_last) are renamed to .trash-step_N before deletion.
 
@@ -115,15 +116,19 @@ def _rng_file(coords: dict[str, int]) -> str:
     return f"tp{coords['tp']}-pp{coords['pp']}-cp{coords['cp']}-dp{coords['dp']}.pt"
 
 
-def _agree(ok: bool, message: str) -> None:
-    """Raises CheckpointError on every rank when any rank failed (with the first failing rank's
+class PartlyReadError(CheckpointError):
+    """Reading a checkpoint failed after part of it was written into the live model."""
+
+
+def _agree(ok: bool, message: str, error: type[CheckpointError] = CheckpointError) -> None:
+    """Raises `error` on every rank when any rank failed (with the first failing rank's
     message), so no rank is left waiting in a collective."""
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, None if ok else message)
     failures = [(rank, m) for rank, m in enumerate(gathered) if m is not None]
     if failures:
         rank, first = failures[0]
-        raise CheckpointError(first if dist.get_world_size() == 1 else f"rank {rank}: {first}")
+        raise error(first if dist.get_world_size() == 1 else f"rank {rank}: {first}")
 
 
 # ----------------------------------------------------------------------------- state pieces
@@ -404,6 +409,7 @@ class Checkpointer:
         to the rollout engine. Returns the step it ended at (0 when starting fresh)."""
         from megatron_grpo.trainer.resume_plan import explicit
 
+        half_read = []  # checkpoints whose read failed after writing into the live model
         for candidate in self.run.resume_plan:
             try:
                 step, version = self._load(candidate)
@@ -412,6 +418,8 @@ class Checkpointer:
                     raise
                 if dist.get_rank() == 0:
                     log.warning("checkpoint: skipping %s: %s", candidate.path, exc)
+                if isinstance(exc, PartlyReadError):
+                    half_read.append(f"{candidate.path} ({exc})")
                 continue
             from megatron_grpo.trainer.weight_sync import sync_weights
 
@@ -423,6 +431,11 @@ class Checkpointer:
                              "; ".join(candidate.changes))
                 _trim_metrics(Path(self.cfg.logging.output_dir) / "metrics.jsonl", step)
             return step
+        if half_read:  # starting afresh would train a mix of initial and checkpoint weights
+            raise CheckpointError(
+                f"no checkpoint could be loaded, and reading {'; '.join(half_read)} overwrote part of the model "
+                f"before failing, so the run cannot start from step 0 either: move the damaged checkpoint aside "
+                f"(or start afresh with checkpoint.resume=never logging.overwrite=true)")
         if dist.get_rank() == 0 and self.cfg.checkpoint.resume.strip() in ("auto", "force"):
             log.info("checkpoint: no complete checkpoint under %s; starting from step 0", self.root)
             _trim_metrics(Path(self.cfg.logging.output_dir) / "metrics.jsonl", 0)  # a crashed earlier life's
@@ -449,14 +462,14 @@ class Checkpointer:
         hyperparameters = _param_group_hyperparameters(optimizer)  # this config's, before the load
         state, model_keys = _sharded_state_dict(self.run, is_loading=True,
                                                 optimizer_format=saved_optimizer_format(candidate))
-        try:
+        try:  # DCP reads into the live parameters (and optimizer buffers) in place
             with _dcp_bytes_weights_only():
                 loaded = dist_checkpointing.load(state, str(path / MODEL_OPTIM_DIR))
         except READ_ERRORS as exc:  # noqa: BLE001 - megatron/DCP raise assorted errors for bad shards
-            ok, message = False, f"cannot read {path / MODEL_OPTIM_DIR} ({type(exc).__name__}: {exc})"
-        _agree(ok, message)
+            ok, message = False, f"cannot read {path / MODEL_OPTIM_DIR} ({short_error(exc)})"
+        _agree(ok, message, PartlyReadError)
 
-        # From here on the live model is modified: failures are fatal, not skippable.
+        # From here on failures are fatal, not skippable.
         for key, chunk in zip(model_keys, self.run.policy):
             unwrap(chunk).load_state_dict(loaded[key])
         with torch.no_grad():  # megatron copies into views of leaf parameters
@@ -489,6 +502,18 @@ class Checkpointer:
             log.warning("checkpoint: %s has no RNG state for this layout (saved %s, now %s); RNG states start "
                         "fresh from trainer.seed", path, trainer_state.get("layout"), _layout())
         return None
+
+
+def short_error(exc: BaseException) -> str:
+    """'Type: first line' of an error; for torch DCP's CheckpointException (which carries every
+    failing rank's traceback in its text), of the first rank's underlying error."""
+    failures = getattr(exc, "failures", None) if isinstance(exc, CheckpointException) else None
+    if failures:
+        rank, failure = next(iter(sorted(failures.items())))
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {short_error(inner)}"
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first_line}"
 
 
 def _param_group_hyperparameters(optimizer) -> list[dict]:

@@ -135,6 +135,9 @@ def settings_changes(saved_config: dict, cfg: Config) -> list[str]:
 
     before = {k: v for k, v in flat_config(saved_config).items() if listed(k)}
     now = {k: v for k, v in flat_config(cfg).items() if listed(k)}
+    # A key the saving run's schema did not have yet, now at its default, is no change.
+    defaults = flat_config(Config())
+    now = {k: v for k, v in now.items() if k in before or k not in defaults or v != defaults[k]}
     return differences(before, now)
 
 
