@@ -127,6 +127,42 @@ def test_an_optimizer_state_that_reshards_only_over_dp_needs_the_same_tp_pp(tmp_
                          layout=TP1)
 
 
+def _fake_step(root: Path, step: int, cfg) -> Path:
+    """A complete step folder with the files the checks read (no megatron state)."""
+    from megatron_grpo.config import to_yaml
+    from megatron_grpo.trainer.run_folder import run_definition
+
+    path = root / f"step_{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+    (path / "config.yaml").write_text(to_yaml(cfg))
+    (path / "run.json").write_text(json.dumps({"format": 1, "definition": run_definition(cfg), "shapes": {}}))
+    files = {p.name: p.stat().st_size for p in path.iterdir()}
+    (path / "complete.json").write_text(json.dumps({"format": 1, "step": step, "files": files}))
+    return path
+
+
+def test_definitions_are_checked_for_every_checkpoint_a_resume_may_load(tmp_path):
+    from megatron_grpo.trainer.resume_plan import check_definitions
+
+    run = tmp_path / "run"
+    _fake_step(run / "checkpoints", 2, _config("trainer.seed=5"))
+    here = [f"logging.output_dir={run}"]
+    with pytest.raises(RunFolderError, match=r"step_2 was written by another run \(trainer.seed: 5 -> 1\)"):
+        check_definitions(_config(*here))
+    [forced] = check_definitions(_config(*here, "checkpoint.resume=force"))
+    assert forced.step == 2
+    assert [c.step for c in check_definitions(_config(*here, "trainer.seed=5", "actor.optim.lr=1e-4"))] == [2]
+
+    # Resuming another folder's checkpoint into a folder that holds a third run's checkpoints.
+    other = _fake_step(tmp_path / "other" / "checkpoints", 7, _config())
+    with pytest.raises(RunFolderError, match=r"this run saves into .*run/checkpoints, which holds checkpoints "
+                                             r"of another run \(trainer.seed: 5 -> 1\)"):
+        check_definitions(_config(*here, f"checkpoint.resume={other}"))
+    assert [c.step for c in check_definitions(_config(f"logging.output_dir={tmp_path / 'new'}",
+                                                      f"checkpoint.resume={other}"))] == [7]
+
+
 # ----------------------------------------------------------------------------- damaged checkpoints
 
 

@@ -204,6 +204,13 @@ def test_unusable_model_path_is_one_line(tmp_path, kind):
     assert line.startswith(expected), line
 
 
+def test_a_training_checkpoint_as_model_path_is_one_line(trained, tmp_path):
+    step = trained / "checkpoints" / "step_2"
+    line = one_error_line(train(f"model.path={step}", f"logging.output_dir={tmp_path / 'out'}", "trainer.total_steps=1"))
+    assert line == (f"error: model.path={step} is a training checkpoint: continue it with checkpoint.resume={step}, "
+                    f"or make an HF folder of it with `megatron-grpo export {step} --out HF_DIR`")
+
+
 def test_prompt_beyond_the_models_context_fails_at_setup(tmp_path):
     start = time.monotonic()
     line = one_error_line(train("data.max_prompt_length=125", f"logging.output_dir={tmp_path / 'out'}",

@@ -23,6 +23,10 @@ def local_model_folder(value: str) -> Path:
     if path.is_dir():
         if (path / "config.json").is_file() or is_convert_checkpoint(path):
             return path
+        if (path / "complete.json").is_file() and (path / "model_optim").is_dir():
+            raise ConfigError(f"model.path={value} is a training checkpoint: continue it with "
+                              f"checkpoint.resume={value}, or make an HF folder of it with "
+                              f"`megatron-grpo export {value} --out HF_DIR`")
         what = "is empty" if not any(path.iterdir()) else "has no config.json"
         raise ConfigError(f"model.path={value}: the folder {what}; {_EXPECTED}")
     if path.exists():

@@ -67,6 +67,8 @@ def check_definitions(cfg: Config) -> list[Candidate]:
     against this run's definition. Unreadable ones are skipped with a warning (an explicit
     checkpoint.resume=PATH raises instead)."""
     definition = run_definition(cfg)
+    if explicit(cfg):
+        _check_destination(cfg, definition)
     candidates = []
     for found in ckpt.complete_checkpoints(cfg):
         try:
@@ -88,6 +90,20 @@ def check_definitions(cfg: Config) -> list[Candidate]:
                         "; ".join(changed))
         candidates.append(candidate)
     return candidates
+
+
+def _check_destination(cfg: Config, definition: dict[str, Any]) -> None:
+    """Resuming from a checkpoint of another folder: this run's checkpoints go to its own
+    checkpoint folder, which must not hold another run's (newest complete one checked)."""
+    newest = ckpt.complete_checkpoints(replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto")))[:1]
+    for found in newest:
+        try:
+            changed = differences(recorded_definition(_read(found)), definition)
+        except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
+            continue  # unreadable: not loaded, and replaced by this run's save of that step
+        if changed:
+            raise RunFolderError(f"this run saves into {found.path.parent}, which holds checkpoints of another run "
+                                 f"({'; '.join(changed)}): use another logging.output_dir or checkpoint.save_dir")
 
 
 def recorded_definition(candidate: Candidate) -> dict[str, Any]:
