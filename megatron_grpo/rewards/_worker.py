@@ -1,4 +1,5 @@
 """Entry point of one reward worker process (spawned). Imports nothing heavy: only the function's module.
+It dies with the process that started it (parent-death signal), even in the middle of a call.
 
 Protocol on the pipe: worker -> ("ready", None) once the function is resolved, or ("fatal", traceback);
 parent -> (task_id, args) or None to exit; worker -> (task_id, ok, result or traceback text).
@@ -9,7 +10,10 @@ import traceback
 from multiprocessing.connection import Connection
 
 
-def worker_main(conn: Connection, spec: str, kwargs: dict) -> None:
+def worker_main(conn: Connection, spec: str, kwargs: dict, parent_pid: int) -> None:
+    from megatron_grpo.launch.lifetime import die_with_parent
+
+    die_with_parent(parent_pid)  # before anything that could hang: a killed trainer leaves no worker
     from megatron_grpo.rewards.loader import load_reward_function
 
     try:

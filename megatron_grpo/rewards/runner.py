@@ -4,13 +4,15 @@ Each call has a timeout that starts when a worker receives it; a call that raise
 its worker or returns something that is not a score gets reward 0 and is counted in
 metrics["reward/errors"] (timeouts also in "reward/timeouts"); the first traceback is logged once.
 A timed-out worker is killed and replaced, so a hung function never blocks a batch. Results come
-back in input order.
+back in input order. Workers die with the process that started them, also when it is killed by
+SIGKILL (launch.lifetime.die_with_parent).
 """
 from __future__ import annotations
 
 import logging
 import math
 import multiprocessing
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -106,7 +108,7 @@ class RewardRunner:
     # -- pool management -------------------------------------------------------------------------
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._context.Pipe(duplex=True)
-        process = self._context.Process(target=worker_main, args=(child_conn, self.spec, self.kwargs),
+        process = self._context.Process(target=worker_main, args=(child_conn, self.spec, self.kwargs, os.getpid()),
                                         daemon=True, name="reward-worker")
         process.start()
         child_conn.close()

@@ -3,14 +3,16 @@
     results = run_distributed(my_fn, world_size=2, args=(x,), timeout=120)
 
 `my_fn(rank, world_size, *args)` must be defined at module level (it is pickled by reference).
-It runs in each process after `torch.distributed` is initialised with gloo on a free localhost
-port (pass `init_group=False` to let fn initialise it itself, e.g. through
+It runs in each process after `torch.distributed` is initialised with gloo on a localhost port
+that this process holds reserved (launch.env.reserve_port) until the run ends, so no other process
+can take it before rank 0 listens on it (pass `init_group=False` to let fn initialise it itself, e.g. through
 launch.init_distributed(), from the torchrun-style variables RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT that every child gets). Its picklable return value is
 results[rank]. A child's exception is re-raised here as DistributedChildError carrying the
 child's rank and traceback; a hang becomes a TimeoutError. On any failure every child is killed
 at once (its peers are usually blocked in a collective), and a child whose parent died exits by
-itself instead of waiting in a collective for the gloo timeout.
+itself instead of waiting in a collective for the gloo timeout; the processes a child forks
+(megatron's checkpoint writers) die with it (launch.lifetime).
 
 Children come from a forkserver that imported torch and megatron-core once, so a process costs
 milliseconds instead of the ~2.5 s of a fresh interpreter. They are not daemonic, so they may
@@ -27,7 +29,7 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
-from megatron_grpo.launch.env import free_port
+from megatron_grpo.launch.env import free_port, reserve_port  # noqa: F401 - free_port: tests import it from here
 
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
             "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "megatron.core.optimizer"]
@@ -64,6 +66,9 @@ def _exit_when_parent_dies(parent_pid: int) -> None:
 def _child(fn, rank, world_size, port, args, env, init_group, parent_pid, result_queue):
     try:
         _exit_when_parent_dies(parent_pid)
+        from megatron_grpo.launch.lifetime import bind_children_to_this_process
+
+        bind_children_to_this_process()
         os.environ.update(env)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -92,14 +97,9 @@ def _child(fn, rank, world_size, port, args, env, init_group, parent_pid, result
 
 
 def _teardown():
-    import torch.distributed as dist
+    from megatron_grpo.launch.distributed import shutdown
 
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown()
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
@@ -110,19 +110,19 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _get_context()
     result_queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, name=f"{fn.__name__}-rank{rank}",
-                         args=(fn, rank, world_size, port, tuple(args), dict(env or {}), init_group,
-                               os.getpid(), result_queue))
-             for rank in range(world_size)]
-    for proc in procs:
-        proc.start()
-    succeeded = False
-    try:
-        results = _collect(fn.__name__, procs, result_queue, timeout)
-        succeeded = True
-    finally:
-        _stop(procs, graceful=succeeded)
+    with reserve_port() as port:
+        procs = [ctx.Process(target=_child, name=f"{fn.__name__}-rank{rank}",
+                             args=(fn, rank, world_size, port, tuple(args), dict(env or {}), init_group,
+                                   os.getpid(), result_queue))
+                 for rank in range(world_size)]
+        for proc in procs:
+            proc.start()
+        succeeded = False
+        try:
+            results = _collect(fn.__name__, procs, result_queue, timeout)
+            succeeded = True
+        finally:
+            _stop(procs, graceful=succeeded)
     return [results[rank] for rank in range(world_size)]
 
 

@@ -3,7 +3,9 @@
 * StopSignals: SIGTERM (a scheduler's stop / preemption) and SIGUSR1 (Slurm's
   `--signal=B:USR1@120` warning before the time limit) only set a flag; the loop asks
   `requested()` after each step, which all-reduces the flag so every rank stops at the same step,
-  after a checkpoint.
+  after a checkpoint. A process forked from then on (megatron's checkpoint writers) starts with the
+  default actions instead (launch.lifetime.tie_forked_children): the flag means nothing there,
+  and a writer that inherited the handler ignored SIGTERM.
 * NonFiniteUpdateGuard: wraps the megatron optimizer. Megatron reports a failed update only
   through a grad scaler (fp16); in fp32 / bf16 a NaN or Inf gradient would be clipped to NaN and
   applied. The guard computes the global grad norm before stepping; when it is not finite the update
@@ -42,6 +44,9 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> "StopSignals":
+        from megatron_grpo.launch.lifetime import tie_forked_children
+
+        tie_forked_children()
         for sig in self.signals:
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
