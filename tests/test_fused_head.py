@@ -1,9 +1,9 @@
-"""ops.fused_head equals the unfused path: logits = hidden @ weight.T, then dense log_softmax.
+"""ops.fused_head equals the unfused computation: logits = hidden @ weight.T, then dense log_softmax.
 
-Values and the gradients of hidden and weight, fp32 (1e-6 relative to the unfused path; the
-chunked matmuls sum in a different order) and bf16 (1e-2), at TP=1 and at TP=2/4 in gloo
-processes, where each rank holds a vocab shard of the weight and the unfused reference is the
-dense computation on the full weight.
+Values and the gradients of hidden and weight, in fp32 and bf16, against the dense computation in
+float64 on the same (rounded) inputs, within the dtype's rounding of sums over the vocabulary
+(megatron_grpo.testing.floats); at TP=1 and at TP=2/4 in gloo processes, where each rank holds a
+vocab shard of the weight and the reference is computed on the full weight.
 """
 from __future__ import annotations
 
@@ -13,9 +13,13 @@ import torch
 from megatron_grpo.ops.fused_head import fused_head_logprobs, fused_head_logprobs_and_entropy
 from megatron_grpo.ops.vocab_parallel import vocab_parallel_logprobs_and_entropy
 from megatron_grpo.testing.distributed import run_distributed
+from megatron_grpo.testing.floats import assert_close_to_float64
 
 VOCAB, PADDED, HIDDEN = 300, 512, 24
-TOL = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+# Roundings that accumulate into each output (megatron_grpo.testing.floats): in fp32 the longest sum,
+# the softmax over the vocabulary; in bf16 the three bf16 results on the way to a gradient (logits,
+# their gradient, the gradient of hidden / weight), each a matmul accumulated in fp32.
+TERMS = {torch.float32: VOCAB, torch.bfloat16: 3}
 
 
 def make_case(seed: int, dtype, shape=(3, 7)):
@@ -31,10 +35,11 @@ def make_case(seed: int, dtype, shape=(3, 7)):
 
 
 def unfused(hidden, weight, targets, mask, upstream, temperature):
-    """Dense torch on the full weight: logits in the model dtype, log_softmax in fp32."""
-    h = hidden.detach().clone().requires_grad_()
-    w = weight.detach().clone().requires_grad_()
-    logsm = torch.log_softmax((h @ w.t())[..., :VOCAB].float() / temperature, dim=-1)
+    """Dense torch on the full weight, in float64 from the same inputs: the reference."""
+    h = hidden.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    upstream = tuple(u.double() for u in upstream)
+    logsm = torch.log_softmax((h @ w.t())[..., :VOCAB] / temperature, dim=-1)
     ignored = mask | (targets == -100)
     logp = logsm.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(ignored, 0.0)
     entropy = -(logsm.exp() * logsm).sum(-1).masked_fill(ignored, 0.0)
@@ -54,20 +59,22 @@ def fused(hidden, weight_shard, targets, mask, upstream, temperature, chunk_size
 
 
 def errors(ours, ref, cols, dtype):
-    """Assertable pairs (as numpy, so they can cross process boundaries)."""
+    """Assertable pairs (as numpy, so they can cross process boundaries); ours keep their dtypes:
+    log-probs and entropy fp32, gradients in the inputs' dtype."""
     names = ("logp", "entropy", "grad_hidden", "grad_weight")
+    expected_dtypes = (torch.float32, torch.float32, dtype, dtype)
     ref = (ref[0], ref[1], ref[2], ref[3][cols])
     out = {}
-    for name, a, b in zip(names, ours, ref):
-        assert a.dtype == b.dtype, f"{name}: {a.dtype} != {b.dtype}"
-        out[name] = (a.float().numpy(), b.float().numpy())
+    for name, a, b, want in zip(names, ours, ref, expected_dtypes):
+        assert a.dtype == want, f"{name}: {a.dtype} != {want}"
+        out[name] = (a.float().numpy(), b.numpy())
     return out
 
 
 def assert_errors(pairs, dtype, where):
     for name, (a, b) in pairs.items():
-        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), **TOL[dtype],
-                                   msg=lambda m: f"{where} {name}: {m}")
+        assert_close_to_float64(torch.from_numpy(a), torch.from_numpy(b), dtype=dtype, terms=TERMS[dtype],
+                                name=f"{where} {name}")
 
 
 CASES = [(0, torch.float32, 1.0, 4), (1, torch.float32, 0.7, 5), (2, torch.float32, 1.2, None),
@@ -89,14 +96,17 @@ def test_fused_equals_unfused_tp1(seed, dtype, temperature, chunk_size):
 
 
 def test_fused_equals_vocab_parallel_on_materialised_logits():
-    """The fused op and ops.vocab_parallel on hidden @ weight.T agree (same statistics code path)."""
-    hidden, weight, targets, mask, _ = make_case(9, torch.float32)
+    """The fused op and ops.vocab_parallel on hidden @ weight.T (same statistics code path) both
+    equal the float64 dense values."""
+    hidden, weight, targets, mask, upstream = make_case(9, torch.float32)
     lp_f, h_f = fused_head_logprobs_and_entropy(hidden, weight, targets, vocab_size=VOCAB, ignore_mask=mask,
                                                 temperature=0.8, chunk_size=6)
     lp_u, h_u = vocab_parallel_logprobs_and_entropy(hidden @ weight.t(), targets, vocab_size=VOCAB,
                                                     ignore_mask=mask, temperature=0.8, chunk_size=6)
-    torch.testing.assert_close(lp_f, lp_u, **TOL[torch.float32])
-    torch.testing.assert_close(h_f, h_u, **TOL[torch.float32])
+    ref_lp, ref_h, _, _ = unfused(hidden, weight, targets, mask, upstream, 0.8)
+    for name, ours, ref in (("fused logp", lp_f, ref_lp), ("fused entropy", h_f, ref_h),
+                            ("vocab-parallel logp", lp_u, ref_lp), ("vocab-parallel entropy", h_u, ref_h)):
+        assert_close_to_float64(ours, ref, dtype=torch.float32, terms=TERMS[torch.float32], name=name)
 
 
 def test_logprobs_only_and_frozen_weight():
@@ -105,8 +115,8 @@ def test_logprobs_only_and_frozen_weight():
     logp = fused_head_logprobs(h, weight, targets, vocab_size=VOCAB, ignore_mask=mask, chunk_size=5)
     (logp * g_lp).sum().backward()
     ref_lp, _, ref_gh, _ = unfused(hidden, weight, targets, mask, (g_lp, torch.zeros_like(g_lp)), 1.0)
-    torch.testing.assert_close(logp.detach(), ref_lp, **TOL[torch.float32])
-    torch.testing.assert_close(h.grad, ref_gh, **TOL[torch.float32])
+    assert_close_to_float64(logp.detach(), ref_lp, dtype=torch.float32, terms=TERMS[torch.float32], name="logp")
+    assert_close_to_float64(h.grad, ref_gh, dtype=torch.float32, terms=TERMS[torch.float32], name="grad_hidden")
     assert weight.grad is None
 
 
