@@ -158,10 +158,8 @@ def _crash_trial(log_path, overrides):
 
     os.setpgrp()
     logging.basicConfig(filename=log_path, level=logging.INFO, force=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    from megatron_grpo.launch.env import free_port
-
-    os.environ["MASTER_PORT"] = str(free_port())
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)  # one process, no launcher: it binds its own rendezvous port (port 0)
     torch.set_num_threads(1)
     from megatron_grpo.config import load_config
     from megatron_grpo.trainer.loop import train

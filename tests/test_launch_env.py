@@ -1,6 +1,8 @@
 """Rank discovery from synthetic launcher environments, device selection, and init_distributed."""
 from __future__ import annotations
 
+import errno
+
 import pytest
 
 from megatron_grpo.errors import ConfigError, LaunchError
@@ -294,3 +296,80 @@ def test_init_distributed_rejects_a_group_that_disagrees():
 
     with pytest.raises(DistributedChildError, match="already initialised as rank"):
         run_distributed(_init_with_wrong_rank, world_size=2, timeout=60)
+
+
+# ----------------------------------------------------------------------------- rendezvous ports
+
+
+def _single_process_with_stolen_free_port(rank, world_size):
+    import os
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_grpo.launch import env
+    from megatron_grpo.launch.distributed import init_distributed, shutdown
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name)  # no launcher: one process
+    thief = socket.socket()
+    thief.bind(("127.0.0.1", 0))
+    thief.listen()
+    env.free_port = lambda host="127.0.0.1": thief.getsockname()[1]  # another process got there first
+    ctx = init_distributed()
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    shutdown()
+    thief.close()
+    return ctx.ranks.launcher, total.item()
+
+
+def test_single_process_rendezvous_cannot_lose_its_port():
+    from megatron_grpo.testing.distributed import run_distributed
+
+    assert run_distributed(_single_process_with_stolen_free_port, 1, init_group=False,
+                           timeout=60) == [("none", 1.0)]
+
+
+def _sum_ranks(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return total.item()
+
+
+def test_harness_port_cannot_be_taken_before_rank0_listens(monkeypatch):
+    """Another process binds the harness's rendezvous port between the harness choosing it and
+    rank 0 listening on it (the EADDRINUSE once seen in the checkpoint tests): it must be refused."""
+    import socket
+
+    from megatron_grpo.testing import distributed as harness
+
+    real_context, attempts = harness._get_context(), []
+
+    class Racing:
+        def __getattr__(self, name):
+            return getattr(real_context, name)
+
+        def Process(self, *args, **kwargs):  # noqa: N802 - multiprocessing's name
+            if not attempts:  # the port is chosen, no rank has started yet
+                thief = socket.socket()
+                try:
+                    thief.bind(("127.0.0.1", kwargs["args"][3]))
+                    thief.listen()
+                    attempts.append(thief)  # got it: rank 0 cannot listen any more
+                except OSError as exc:
+                    attempts.append(exc)
+            return real_context.Process(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "_get_context", lambda: Racing())
+    try:
+        assert harness.run_distributed(_sum_ranks, 2, timeout=60) == [1.0, 1.0]
+    finally:
+        for attempt in attempts:
+            if isinstance(attempt, socket.socket):
+                attempt.close()
+    assert isinstance(attempts[0], OSError) and attempts[0].errno == errno.EADDRINUSE, attempts
