@@ -4,6 +4,7 @@ modules below take plain typed arguments."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import shutil
 from dataclasses import dataclass, field
@@ -208,8 +209,8 @@ def check_resume(cfg: Config, candidates: list, record: dict, prompts) -> list:
 
 
 def check_context_length(cfg: Config, model_config, model_dir: Path) -> None:
-    """A prompt plus its response must fit the model's context (positions beyond it are not
-    trained, and some kernels never finish on them)."""
+    """A prompt plus its response must fit the model's context, checked before any weights are
+    loaded (the model was not built for positions beyond it)."""
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     if longest > model_config.max_position_embeddings:
         raise ConfigError(f"data.max_prompt_length + data.max_response_length = {cfg.data.max_prompt_length} + "
@@ -297,8 +298,6 @@ def _ensure_initial_model(cfg: Config, target: Path) -> None:
 
 
 def _write_initial_model(cfg: Config, target: Path, record: dict) -> None:
-    import json
-
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from megatron_grpo.trainer.run_folder import INIT_RECORD
