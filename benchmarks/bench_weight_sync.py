@@ -5,8 +5,11 @@
 Measured in one run, for the same HF-named tensors (a random Qwen3 of the given size, fp32):
 - memcpy: copy_ of every tensor into preallocated tensors of the same shapes (the baseline);
 - local engine: LocalEngine.update_weights (strict name/shape checks + copy into the model);
-- distributed / tensor (shared memory) / disk: the full update protocol (pause, push, flush,
-  continue) into a fake SGLang server over localhost (gloo broadcast, ForkingPickler shm, safetensors).
+- distributed / tensor (shared memory) / disk: the full update protocol (pause, begin session,
+  push, end session, flush, continue) into an SGLang test server over localhost: SGLang 0.5.23's own
+  HTTP app, tokenizer manager and scheduler-side weight-update code (receive, SafeUnpickler,
+  load_weights), with the CPU scheduler of tests/sglang_harness (needs build/sglang-venv:
+  `bash scripts/setup_sglang_venv.sh`). gloo broadcast, ForkingPickler shared memory, safetensors.
 Prints a markdown table; best of --repeats per row."""
 from __future__ import annotations
 
@@ -25,8 +28,8 @@ from megatron_grpo.rollout.sglang.client import SGLangClient  # noqa: E402
 from megatron_grpo.rollout.sglang.weight_sync import (DiskTransport, DistributedTransport, EngineTarget,  # noqa: E402
                                                       TensorTransport, update_weights)
 from megatron_grpo.testing.distributed import free_port  # noqa: E402
-from tests.fake_sglang.fixtures import fake_server_settings, launch_fake_servers  # noqa: E402
-from tests.fake_sglang.tiny import char_tokenizer  # noqa: E402
+from tests.sglang_harness.fixtures import launch_servers, server_settings  # noqa: E402
+from tests.tiny_hf import char_tokenizer  # noqa: E402
 
 
 def build_model(args):
@@ -75,8 +78,8 @@ def main() -> None:
         model_dir = Path(tmp) / "model"
         model.save_pretrained(model_dir)
         char_tokenizer().save_pretrained(model_dir)
-        settings = fake_server_settings(model_dir)
-        launcher = launch_fake_servers(Path(tmp) / "logs", [settings], timeout_s=300)
+        settings = server_settings(model_dir)
+        launcher = launch_servers(Path(tmp) / "logs", [settings], timeout_s=600)
         try:
             client = SGLangClient([settings.url])
             bucket = args.bucket_mb * 2**20
@@ -86,10 +89,9 @@ def main() -> None:
             dist.connect()
             version = iter(range(2, 10_000))
             for name, transport in (
-                    ("fake SGLang, distributed (gloo broadcast)", dist),
-                    ("fake SGLang, tensor (shared memory)", TensorTransport(client, target, bucket_bytes=bucket,
-                                                                              metadata_format="plain")),
-                    ("fake SGLang, disk (safetensors)", DiskTransport(client, [target], Path(tmp) / "sync",
+                    ("SGLang code, distributed (gloo broadcast)", dist),
+                    ("SGLang code, tensor (shared memory)", TensorTransport(client, target, bucket_bytes=bucket)),
+                    ("SGLang code, disk (safetensors)", DiskTransport(client, [target], Path(tmp) / "sync",
                                                                       side_files_from=model_dir))):
                 rows.append((name, best_seconds(
                     lambda t=transport: update_weights(client, t, source.items(), next(version)), args.repeats)))

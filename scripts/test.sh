@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: sets up ./.venv if missing, installs the system packages the Slurm/MPI tests
-# use (slurm, munge, openmpi, shellcheck; root only) and TRL for the benchmark test, starts a real
+# use (slurm, munge, openmpi, shellcheck; root only), TRL for the benchmark test and SGLang's
+# Python code + sglang-router for the SGLang tests (each in a venv layered on .venv), starts a real
 # single-node Slurm on localhost, runs the whole suite (slow tests included), and stops the daemons.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 set -euo pipefail
@@ -9,6 +10,9 @@ bash scripts/setup_env.sh dev
 bash scripts/install_test_deps.sh
 # TRL, for the side-by-side benchmark test, in its own venv layered on .venv (never changes .venv).
 .venv/bin/python benchmarks/bench_e2e.py --setup-trl > /dev/null
+# SGLang 0.5.23's own code (--no-deps) and the sglang-router binary for tests/sglang_harness.
+bash scripts/setup_sglang_venv.sh
+export MEGATRON_GRPO_REQUIRE_SGLANG=1  # the SGLang tests fail, not skip, if that venv is missing
 bash scripts/start_local_slurm.sh || echo "local Slurm not started: the Slurm tests will skip"
 trap 'bash scripts/stop_local_slurm.sh >/dev/null 2>&1 || true' EXIT
 .venv/bin/python -m pytest "$@"

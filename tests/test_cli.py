@@ -58,7 +58,7 @@ def test_config_keys_lists_every_leaf_with_its_default(capsys):
 
 
 def test_subcommands_are_registered_lazily():
-    assert set(COMMANDS) == {"train", "eval", "convert"}
+    assert set(COMMANDS) == {"train", "eval", "convert", "export"}
     assert COMMANDS["train"].target == "megatron_grpo.trainer.main:main"
     with pytest.raises(TypeError):
         COMMANDS["x"] = Command("a:b", "")  # type: ignore[index]  # the table is read-only

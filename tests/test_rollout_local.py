@@ -10,7 +10,7 @@ from megatron_grpo.rollout.local import LocalEngine
 from megatron_grpo.rollout.sampling import make_state, sample_tokens
 from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
 from megatron_grpo.rollout.weights import WeightUpdateError
-from tests.fake_sglang.tiny import EOS_ID, char_tokenizer, tiny_model
+from tests.tiny_hf import EOS_ID, char_tokenizer, tiny_model
 
 PROMPTS = [(5, 9, 11), (40, 41, 42, 43, 44, 45, 46), (7,) * 12]
 

@@ -1,12 +1,22 @@
-"""The trainer with rollout.engine=sglang against two protocol-faithful fake SGLang servers: rollouts
-over HTTP, and after every step the new weights reach both servers (distributed and disk transports)."""
+"""The trainer with rollout.engine=sglang against SGLang's own server code (tests/sglang_harness):
+servers it launches itself (with the real sglang-router in front) or given by URL, every weight
+transport, and engine faults: a launched engine killed at random moments is restarted and caught
+up, and all engines dying stops the run after a checkpoint."""
 import json
+import os
+import random
+import signal
+import threading
+import time
 import urllib.request
 
+import psutil
 import pytest
 
-from megatron_grpo.testing.distributed import run_distributed
-from tests.fake_sglang.fixtures import fake_server_settings, launch_fake_servers
+from megatron_grpo.testing.distributed import DistributedChildError, free_port, run_distributed
+from tests.sglang_harness.fixtures import harness_env, launch_servers, server_settings, trainer_overrides
+
+pytestmark = pytest.mark.slow  # starts SGLang test servers
 
 
 def _train(rank, world_size, overrides):
@@ -35,32 +45,64 @@ def policy_dir(tmp_path_factory):
     return folder
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("transport", ["distributed", "disk"])
-def test_trainer_drives_fake_sglang_servers(tmp_path, policy_dir, transport):
-    launcher = launch_fake_servers(tmp_path / "logs", [fake_server_settings(policy_dir) for _ in range(2)])
-    try:
-        urls = [server.url for server in launcher.servers]
-        records = run_distributed(_train, 2, ([
-            f"model.path={policy_dir}", "model.make_vocab_size_divisible_by=8", "rollout.engine=sglang",
-            f"rollout.sglang.urls=[{','.join(urls)}]", f"rollout.sglang.weight_sync={transport}",
-            "trainer.total_steps=3", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4",
-            f"logging.output_dir={tmp_path / 'run'}", "logging.console=false", "logging.plot=false",
-            "eval.interval=-1", "actor.optim.lr=1e-2"],), timeout=600)[0]
-        assert [r["step"] for r in records] == [1, 2, 3]
-        # The servers sampled steps 2 and 3 with the weights the trainer had after steps 1 and 2:
-        # their log-probs equal the trainer's recomputation (they would not after a missed sync).
-        for record in records:
-            assert record["actor/logprob_abs_diff_max"] < 1e-4, record["actor/logprob_abs_diff_max"]
-        assert records[1]["actor/grad_norm"] > 0
-        assert [str(_model_info(url)["weight_version"]) for url in urls] == ["3", "3"]  # a string in SGLang
-    finally:
-        launcher.shutdown(grace_s=2)
+@pytest.fixture
+def harness_environment(monkeypatch):
+    """What the servers the trainer launches need (they inherit the trainer's environment)."""
+    for key, value in harness_env().items():
+        monkeypatch.setenv(key, value)
+
+
+def base_overrides(policy_dir, output_dir, steps: int):
+    return [f"model.path={policy_dir}", "model.make_vocab_size_divisible_by=8", "rollout.engine=sglang",
+            f"trainer.total_steps={steps}", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4",
+            f"logging.output_dir={output_dir}", "logging.console=false", "logging.plot=false", "eval.interval=-1",
+            "actor.optim.lr=1e-2", "rollout.sglang.health_check_interval_s=2"]
+
+
+def assert_on_policy_steps(records, steps: int) -> None:
+    """Every step ran once, in order, sampled by the weights of the step before, and the engines'
+    log-probs equal the trainer's recomputation (they would not after a missed sync)."""
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for record in records:
+        assert record["rollout/weight_version_min"] == record["rollout/weight_version_max"] == record["step"] - 1
+        assert record["actor/logprob_abs_diff_max"] < 1e-4, record["actor/logprob_abs_diff_max"]
+
+
+def test_trainer_launches_servers_and_router_distributed_sync(tmp_path, policy_dir, harness_environment):
+    """Launched engines behind a launched router; distributed (gloo broadcast) weight sync."""
+    run = tmp_path / "run"
+    overrides = base_overrides(policy_dir, run, 3) + trainer_overrides(policy_dir) + [
+        "rollout.sglang.num_engines=2", f"rollout.sglang.port={free_port()}", "rollout.sglang.router=true",
+        f"rollout.sglang.router_port={free_port()}", "rollout.sglang.router_policy=round_robin",
+        "rollout.sglang.weight_sync=distributed"]
+    records = run_distributed(_train, 2, (overrides,), timeout=900)[0]
+    assert_on_policy_steps(records, 3)
+    assert records[0]["sync/verified"] == 1.0 and records[0]["sync/verified_tensors"] > 0
+    logs = sorted((run / "sglang_logs").glob("sglang-*.log"))
+    commands = [log.read_text(errors="replace").splitlines()[0] for log in logs]
+    engine_commands = [c for c in commands if "sglang_harness.server" in c]
+    assert len(engine_commands) == 2 and all("--enable-deterministic-inference" in c for c in engine_commands)
+    assert any("sglang_router.launch_router" in c for c in commands)
+
+
+@pytest.fixture(scope="module")
+def given_servers(policy_dir, tmp_path_factory):
+    launcher = launch_servers(tmp_path_factory.mktemp("logs"), [server_settings(policy_dir) for _ in range(2)])
+    yield [server.url for server in launcher.servers]
+    launcher.shutdown(grace_s=2)
+
+
+@pytest.mark.parametrize("transport", ["disk", "tensor"])
+def test_trainer_drives_servers_given_by_url(tmp_path, policy_dir, given_servers, transport):
+    urls = given_servers if transport == "disk" else given_servers[:1]  # tensor: colocated, one engine
+    records = run_distributed(_train, 2, (base_overrides(policy_dir, tmp_path / "run", 3) + [
+        f"rollout.sglang.urls=[{','.join(urls)}]", f"rollout.sglang.weight_sync={transport}"],), timeout=600)[0]
+    assert_on_policy_steps(records, 3)
+    assert records[1]["actor/grad_norm"] > 0
+    assert [str(_model_info(url)["weight_version"]) for url in urls] == ["3"] * len(urls)  # a string in SGLang
 
 
 def test_unreachable_server_names_the_url(tmp_path, policy_dir):
-    from megatron_grpo.testing.distributed import DistributedChildError, free_port
-
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(DistributedChildError, match=url.replace(".", r"\.")):
         run_distributed(_train, 1, ([f"model.path={policy_dir}", "model.make_vocab_size_divisible_by=8",
@@ -69,27 +111,91 @@ def test_unreachable_server_names_the_url(tmp_path, policy_dir):
                                      f"logging.output_dir={tmp_path}", "logging.console=false"],), timeout=300)
 
 
-@pytest.mark.slow
-def test_all_servers_dying_mid_run_checkpoints_then_fails(tmp_path, policy_dir):
-    from megatron_grpo.testing.distributed import DistributedChildError
+def _server_groups(port: int, count: int) -> list[int]:
+    """Process-group ids of the launched servers listening on port, port + 1, ..."""
+    groups = {}
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port in range(port, port + count) and conn.pid:
+            groups[conn.laddr.port] = os.getpgid(conn.pid)
+    return [groups[p] for p in sorted(groups)]
 
-    # 8 prompts per step, one request each, round robin: each server dies on its 6th request (step 2).
-    settings = [fake_server_settings(policy_dir, extra_args=["--die-on-generate", "6"]) for _ in range(2)]
-    launcher = launch_fake_servers(tmp_path / "logs", settings)
+
+def test_launched_engine_killed_at_random_moments_is_restarted(tmp_path, policy_dir, harness_environment,
+                                                               monkeypatch):
+    """Kill one of two launched engines (SIGKILL to all its processes) at 5 random moments
+    mid-rollout: every time, its unfinished requests are retried on the other engine, it is
+    restarted at the next sync and gets the current weights; the run finishes with every step
+    once and every sample drawn by the previous step's weights."""
+    monkeypatch.setenv("HARNESS_FORWARD_DELAY_S", "0.003")  # rollouts take long enough to be hit
+    run, port, steps, kills = tmp_path / "run", free_port(), 9, 5
+    overrides = base_overrides(policy_dir, run, steps) + trainer_overrides(policy_dir) + [
+        "rollout.sglang.num_engines=2", f"rollout.sglang.port={port}", "rollout.sglang.weight_sync=distributed",
+        "rollout.sglang.max_retries=4", "data.max_response_length=16"]
+    rng = random.Random(0)
+    done, killed = threading.Event(), []
+
+    def killer():
+        while len(killed) < kills and not done.is_set():
+            groups = _server_groups(port, 2)
+            metrics = run / "metrics.jsonl"
+            logged = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+            if len(groups) == 2 and logged >= len(killed):  # both up again, the last kill's step done
+                time.sleep(rng.uniform(0.2, 1.5))  # somewhere in the next rollout
+                group = rng.choice(groups)
+                os.killpg(group, signal.SIGKILL)
+                killed.append(group)
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        records = run_distributed(_train, 1, (overrides,), timeout=1500)[0]
+    finally:
+        done.set()
+        thread.join(timeout=10)
+    assert len(killed) == kills
+    assert_on_policy_steps(records, steps)
+    assert records[-1]["sync/engine_restarts"] >= kills
+
+
+def test_all_servers_dying_mid_run_checkpoints_then_fails(tmp_path, policy_dir):
+    # 8 prompts x 4 samples per step, one request each (seeded), round robin: each engine dies at its
+    # 20th /generate request, in step 2.
+    launcher = launch_servers(tmp_path / "logs", [server_settings(policy_dir) for _ in range(2)],
+                              faults={"HARNESS_DIE_ON_GENERATE": "20"})
     try:
         urls = [server.url for server in launcher.servers]
         with pytest.raises(DistributedChildError) as failure:
-            run_distributed(_train, 2, ([
-                f"model.path={policy_dir}", "model.make_vocab_size_divisible_by=8", "rollout.engine=sglang",
+            run_distributed(_train, 2, (base_overrides(policy_dir, tmp_path / "run", 4) + [
                 f"rollout.sglang.urls=[{','.join(urls)}]", "rollout.sglang.weight_sync=disk",
-                "rollout.sglang.max_retries=1", "trainer.total_steps=4", "data.train_batch_size=8",
-                "actor.ppo_mini_batch_size=8", "rollout.n=4", f"logging.output_dir={tmp_path / 'run'}",
-                "logging.console=false", "logging.plot=false", "eval.interval=-1"],), timeout=600)
+                "rollout.sglang.max_retries=1"],), timeout=600)
         message = str(failure.value)
-        # Every rank stops with the rollout error, which names a server it could not reach (which
-        # one depends on the order the two servers died in).
+        # Every rank stops with the rollout error, which names a server it could not reach.
         assert "RolloutFailure" in message, message
-        assert "cannot reach the SGLang server" in message and any(url in message for url in urls), message
+        assert any(url in message for url in urls), message
         assert (tmp_path / "run" / "checkpoints" / "step_1" / "complete.json").is_file()
+    finally:
+        launcher.shutdown(grace_s=2)
+
+
+def test_dead_url_engine_leaves_the_rotation_above_min_engines(tmp_path, policy_dir):
+    """An engine given by URL that dies is dropped with a warning; the run goes on with the other."""
+    launcher = launch_servers(tmp_path / "logs", [server_settings(policy_dir) for _ in range(2)])
+    try:
+        urls = [server.url for server in launcher.servers]
+        doomed = launcher.processes[1].process.pid
+
+        def kill_after_first_step():
+            metrics = tmp_path / "run" / "metrics.jsonl"
+            while not (metrics.exists() and metrics.read_text().strip()):
+                time.sleep(0.2)
+            os.killpg(doomed, signal.SIGKILL)
+
+        threading.Thread(target=kill_after_first_step, daemon=True).start()
+        records = run_distributed(_train, 1, (base_overrides(policy_dir, tmp_path / "run", 4) + [
+            f"rollout.sglang.urls=[{','.join(urls)}]", "rollout.sglang.weight_sync=distributed",
+            "rollout.sglang.min_engines=1"],), timeout=600)[0]
+        assert_on_policy_steps(records, 4)
+        assert _model_info(urls[0])["weight_version"] == "4"
     finally:
         launcher.shutdown(grace_s=2)

@@ -1,19 +1,17 @@
 """Weight sync from a sharded Megatron policy (TP=2 x PP=2, world 4) into the local rollout engine
-and into fake SGLang servers (distributed and disk transports): every engine ends up with exactly
-the HF tensors of the conversion tool (bitwise), and the local engine computes the trainer's log-probs."""
+and into SGLang test servers (SGLang's own HTTP app and weight-update code; distributed and disk
+transports): every engine ends up with exactly the HF tensors of the conversion tool (bitwise, by
+SGLang's /weights_checker checksums), and the local engine computes the trainer's log-probs."""
 import pytest
 import torch
 
 from megatron_grpo.testing.distributed import run_distributed
-from tests.fake_sglang.fixtures import fake_server_settings, launch_fake_servers
+from tests.sglang_harness.fixtures import launch_servers, server_settings
 
 
-def _push_to_fake_servers(chunks, cfg, urls, sync_dir):
-    """Rank 0 pushes the gathered policy to fake server 0 (distributed) and 1 (disk); every rank
-    takes part in the gathers. Returns the servers' per-parameter digests on rank 0."""
-    import json
-    import urllib.request
-
+def _push_to_servers(chunks, cfg, urls, sync_dir):
+    """Rank 0 pushes the gathered policy to server 0 (distributed) and 1 (disk); every rank takes
+    part in the gathers. Returns the servers' per-parameter checksums (SGLang's) on rank 0."""
     import torch.distributed as dist
 
     from megatron_grpo.convert.export import gather_hf_weights_on_rank0
@@ -34,8 +32,8 @@ def _push_to_fake_servers(chunks, cfg, urls, sync_dir):
                 transport = DiskTransport(client, [EngineTarget(url)], sync_dir)
             update_weights(client, transport, tensors, version=5)
             transport.close()
-            with urllib.request.urlopen(f"{url}/fake/weights_digest", timeout=60) as response:
-                digests.append(json.load(response))
+            answer = client.call(url, "/weights_checker", {"action": "checksum"})
+            digests.append(answer["ranks"][0]["checksums"])
             client.close()
         for _ in tensors:
             pass
@@ -77,7 +75,7 @@ def _sync_and_score(rank, world_size, hf_dir, other_dir, urls=(), sync_dir=None)
     dist.all_gather_object(gathered, None if trainer_logp is None else
                            trainer_logp[0][micro_batches[0].loss_mask].tolist())
     trainer_values = next(v for v in gathered if v is not None)
-    server_digests = _push_to_fake_servers(chunks, cfg, urls, sync_dir) if urls else []
+    server_digests = _push_to_servers(chunks, cfg, urls, sync_dir) if urls else []
     if rank != 0:
         return None
     expected = load_file(f"{hf_dir}/model.safetensors")
@@ -87,21 +85,21 @@ def _sync_and_score(rank, world_size, hf_dir, other_dir, urls=(), sync_dir=None)
         logits = engine.model(torch.tensor([prompt + response])).logits[0].float()
     logp = torch.log_softmax(logits / 0.7, dim=-1)
     engine_values = [logp[len(prompt) - 1 + j, token].item() for j, token in enumerate(response)]
-    from tests.fake_sglang.server import weights_digest
+    from tests.sglang_harness.fixtures import sglang_checksum
 
-    server_mismatched = [[name for name, tensor in expected.items() if digests.get(name) != weights_digest(tensor)]
+    server_mismatched = [[name for name, tensor in expected.items() if digests.get(name) != sglang_checksum(tensor)]
                          for digests in server_digests]
     return {"mismatched": mismatched, "count": len(expected), "version": engine.weight_version,
             "trainer": trainer_values, "engine": engine_values, "server_mismatched": server_mismatched}
 
 
 @pytest.mark.slow
-def test_megatron_tp2_pp2_sync_into_local_engine_and_fake_servers(tmp_path):
+def test_megatron_tp2_pp2_sync_into_local_engine_and_sglang_servers(tmp_path):
     from megatron_grpo.models.tiny import save_tiny_hf_model
 
     hf_dir = save_tiny_hf_model("qwen3", tmp_path / "policy", seed=0)
     other_dir = save_tiny_hf_model("qwen3", tmp_path / "other", seed=1)
-    launcher = launch_fake_servers(tmp_path / "logs", [fake_server_settings(other_dir) for _ in range(2)])
+    launcher = launch_servers(tmp_path / "logs", [server_settings(other_dir) for _ in range(2)])
     try:
         urls = [server.url for server in launcher.servers]
         result = run_distributed(_sync_and_score, 4, (str(hf_dir), str(other_dir), urls, str(tmp_path / "sync")),

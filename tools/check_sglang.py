@@ -5,13 +5,17 @@
         [--backend gloo|nccl] [--shared-dir /tmp/check_sglang] [--tolerance 0.05]
 
 Prints PASS/FAIL per check and exits 1 if any failed:
-  health            GET /health, /model_info
+  health            GET /health_generate, /model_info
   generate          /generate with n=2 and return_logprob parses into Samples (ids, log-probs, finish)
   logprobs          the server's log-probs equal a full-sequence HF forward pass (mean |diff| <= tol)
   disk update       /update_weights_from_disk with perturbed weights: new version, log-probs follow
-  distributed       /init_weights_update_group + /update_weights_from_distributed from this process
-  tensor update     /update_weights_from_tensor, flattened_bucket, CUDA IPC (needs sglang importable)
+  distributed       /init_weights_update_group + /update_weights_from_distributed from this process,
+                    inside a begin/end_weight_update session
+  tensor update     /update_weights_from_tensor (flattened_bucket when sglang imports here, else a
+                    plain (name, tensor) list; CUDA IPC on GPU), inside a session
   restore           the original weights go back through the disk transport
+Every update is followed by the trainer's post-sync verification (values of sampled tensors via
+/get_weights_by_name where the model supports it, /weights_checker checksums).
 The perturbation scales lm_head (or the tied embedding) by 1.25, so a stale update is visible in
 the log-probs. With one GPU, use --backend gloo (NCCL refuses two ranks on one device)."""
 from __future__ import annotations
@@ -27,9 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_grpo.optional import available  # noqa: E402
 from megatron_grpo.rollout.sglang.client import SGLangClient  # noqa: E402
 from megatron_grpo.rollout.sglang.protocol import parse_weight_version  # noqa: E402
+from megatron_grpo.rollout.sglang.verify import WeightSample, verify_engines  # noqa: E402
 from megatron_grpo.rollout.sglang.weight_sync import (DiskTransport, DistributedTransport, EngineTarget,  # noqa: E402
                                                       TensorTransport, update_weights)
 from megatron_grpo.rollout.types import GenerationRequest, SamplingParams  # noqa: E402
@@ -52,6 +56,7 @@ class Checker:
         self.original = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         self.failures = 0
         self.version = 1000
+        self.verified = 0
 
     def run(self, name: str, fn: Callable[[], str]) -> None:
         try:
@@ -98,17 +103,20 @@ class Checker:
 
     def push(self, transport, state: dict[str, torch.Tensor]) -> int:
         self.version += 1
-        stats = update_weights(self.client, transport, state.items(), self.version)
+        sample = WeightSample(tp_size=self.args.tp_size)
+        stats = update_weights(self.client, transport, sample.tap(state.items()), self.version)
         self.set_reference(state)
         info = self.client.call(self.url, "/model_info", method="GET")
         got = parse_weight_version(info.get("weight_version"), f"{self.url}/model_info")
         if got != self.version:
             raise AssertionError(f"/model_info weight_version {got}, expected {self.version}")
+        report = verify_engines(self.client, transport.targets, sample)
+        self.verified = report.value_checked
         return stats.num_bytes
 
     # ----- checks -----------------------------------------------------------------------------
     def health(self) -> str:
-        self.client.call(self.url, "/health", method="GET")
+        self.client.call(self.url, "/health_generate", method="GET")
         info = self.client.call(self.url, "/model_info", method="GET")
         return f"model {info.get('model_path')}, weight_version {info.get('weight_version')}"
 
@@ -122,7 +130,7 @@ class Checker:
         transport = DiskTransport(self.client, [EngineTarget(self.url)], self.args.shared_dir,
                                   side_files_from=self.args.model_path)
         nbytes = self.push(transport, self.perturbed(1.25))
-        return f"{nbytes / 1e9:.2f} GB; " + self.compare_logprobs(self.version)
+        return f"{nbytes / 1e9:.2f} GB, {self.verified} tensors verified; " + self.compare_logprobs(self.version)
 
     def distributed(self) -> str:
         transport = DistributedTransport(self.client, [EngineTarget(self.url, self.args.tp_size)],
@@ -134,17 +142,17 @@ class Checker:
             nbytes = self.push(transport, self.perturbed(0.8))
         finally:
             transport.close()
-        return f"{nbytes / 1e9:.2f} GB over {self.args.backend}; " + self.compare_logprobs(self.version)
+        return (f"{nbytes / 1e9:.2f} GB over {self.args.backend}, {self.verified} tensors verified; "
+                + self.compare_logprobs(self.version))
 
     def tensor(self) -> str:
-        if self.args.tensor_metadata == "sglang" and not available("sglang"):
-            raise RuntimeError("sglang is not importable here: the colocated transport needs its metadata class")
         state = {k: v.to(self.device) for k, v in self.perturbed(1.1).items()}
-        transport = TensorTransport(self.client, EngineTarget(self.url, self.args.tp_size),
-                                    metadata_format=self.args.tensor_metadata)
+        flattened = {"auto": None, "flattened": True, "tensors": False}[self.args.tensor_payload]
+        transport = TensorTransport(self.client, EngineTarget(self.url, self.args.tp_size), flattened=flattened)
         nbytes = self.push(transport, state)
         how = "CUDA IPC" if self.device.type == "cuda" else "shared memory"
-        return f"{nbytes / 1e9:.2f} GB via {how}; " + self.compare_logprobs(self.version)
+        return (f"{nbytes / 1e9:.2f} GB via {how}, {self.verified} tensors verified; "
+                + self.compare_logprobs(self.version))
 
     def restore(self) -> str:
         transport = DiskTransport(self.client, [EngineTarget(self.url)], self.args.shared_dir,
@@ -164,8 +172,9 @@ def main() -> None:
     parser.add_argument("--shared-dir", default=None, help="a folder the server can read (default: a temp dir)")
     parser.add_argument("--tolerance", type=float, default=0.05, help="max mean |logprob diff| (bf16 server)")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--tensor-metadata", default="sglang", choices=["sglang", "plain"],
-                        help="plain: this package's metadata class (for the fake server in tests)")
+    parser.add_argument("--tensor-payload", default="auto", choices=["auto", "flattened", "tensors"],
+                        help="flattened: SGLang's flattened_bucket (needs sglang importable here); tensors: a "
+                             "plain (name, tensor) list; auto: flattened when sglang imports")
     parser.add_argument("--skip", nargs="*", default=[], help="checks to skip, e.g. tensor distributed")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()

@@ -1,11 +1,13 @@
 """Start SGLang test servers (and the real sglang-router) through the project's own launcher."""
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import pytest
+import torch
 
 from megatron_grpo.rollout.sglang.launcher import RouterSettings, ServerSettings, SGLangLauncher
 from megatron_grpo.testing.distributed import free_port
@@ -13,6 +15,12 @@ from megatron_grpo.testing.distributed import free_port
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON = REPO_ROOT / "build" / "sglang-venv" / "bin" / "python"
 SERVER_MODULE = "tests.sglang_harness.server"
+
+
+# fp32 weights (SGLang's dtype=auto serves an fp32 checkpoint in fp16), so that the engine's log-probs
+# and checksums can be compared with fp32 references; no warm-up request (the launcher's readiness
+# wait on /health_generate generates a token anyway).
+HARNESS_FLAGS = ("--dtype", "float32", "--skip-server-warmup")
 
 
 def sglang_python() -> str:
@@ -34,12 +42,32 @@ def server_settings(model_dir: str | Path, tp_size: int = 1, extra_args: Sequenc
                     api_key: str | None = None, deterministic: bool = True) -> ServerSettings:
     return ServerSettings(model_path=str(model_dir), tp_size=tp_size, port=free_port(), api_key=api_key,
                           enable_deterministic_inference=deterministic,
-                          extra_args=("--skip-server-warmup", *extra_args), command=server_command())
+                          # SGLang picks its process-group port near --port at random; several test
+                          # servers (and other tests' rendezvous) on one machine can collide there.
+                          extra_args=(*HARNESS_FLAGS, "--nccl-port", str(free_port()), *extra_args),
+                          command=server_command())
 
 
-def router_settings(policy: str = "round_robin") -> RouterSettings:
-    return RouterSettings(port=free_port(), policy=policy,
+def router_settings(policy: str = "round_robin", extra_args: Sequence[str] = ()) -> RouterSettings:
+    # Its Prometheus exporter binds a fixed port by default: two routers on one machine collide.
+    return RouterSettings(port=free_port(), policy=policy, extra_args=("--prometheus-port", str(free_port()),
+                                                                        *extra_args),
                           command=(sglang_python(), "-m", "sglang_router.launch_router"))
+
+
+LONG_CONTEXT = 200_000
+
+
+def save_long_context_model(folder: str | Path) -> Path:
+    """The tests' tiny HF model with a 200k context, so that a generation runs until it is aborted."""
+    import json
+
+    from tests.tiny_hf import save_tiny_model
+
+    folder = save_tiny_model(folder, seed=0, scale=3.0)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": LONG_CONTEXT}))
+    return folder
 
 
 def harness_env(faults: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -66,4 +94,11 @@ def launch_servers(log_dir: str | Path, settings: Sequence[ServerSettings], *, r
 
 def trainer_overrides(model_dir: str | Path) -> list[str]:
     """Recipe overrides that make the trainer launch harness servers instead of sglang.launch_server."""
-    return [f"rollout.sglang.launch_command=[{sglang_python()},-m,{SERVER_MODULE},--skip-server-warmup]"]
+    return [f"rollout.sglang.launch_command=[{sglang_python()},-m,{SERVER_MODULE},{','.join(HARNESS_FLAGS)}]"]
+
+
+def sglang_checksum(tensor: torch.Tensor) -> str:
+    """SGLang's /weights_checker checksum of a CPU tensor (sha256 of its bytes, first 8 bytes, hex),
+    to compare an engine's parameters with the trainer's bitwise."""
+    data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return f"{int.from_bytes(hashlib.sha256(data).digest()[:8], 'big'):016x}"

@@ -253,14 +253,15 @@ class CpuScheduler:
         while self.waiting:
             req = self.waiting.pop(0)
             self.running.append(Running(req))
-        finished = []
-        for item in list(self.running):
+        if not self.running:
+            return
+        for item in self.running:
             self._decode_one(item)
-            if item.req.finished():
-                self.running.remove(item)
-                finished.append(item.req)
-        if finished:
-            self.output_streamer.stream_output(finished, any(r.return_logprob for r in finished))
+        # SGLang streams after every step: finished requests, and unfinished ones every
+        # SGLANG_FORCE_STREAM_INTERVAL tokens (what keeps /health_generate answering while busy).
+        reqs = [item.req for item in self.running]
+        self.output_streamer.stream_output(reqs, any(r.return_logprob for r in reqs))
+        self.running = [item for item in self.running if not item.req.finished()]
 
     @torch.no_grad()
     def _decode_one(self, item: Running) -> None:
@@ -308,6 +309,8 @@ class CpuScheduler:
     def handle_generate_request(self, recv_req) -> None:
         from sglang.srt.managers.schedule_batch import Req
 
+        if self.tp_rank != 0:
+            return  # only rank 0 decodes (SGLang's ranks would each run their shard of the batch)
         self.generate_count += 1
         if not _is_health_check(recv_req):
             self.faults.on_generate(self.generate_count)

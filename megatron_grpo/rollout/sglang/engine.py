@@ -46,10 +46,11 @@ class SGLangEngine(RolloutEngine):
         self.pool = pool or EnginePool([EngineSlot(t) for t in transport.targets], min_engines=options.min_engines,
                                        probe_timeout_s=options.health_check_timeout_s, api_key=client.api_key)
         self.pool.on_change = self._rotation_changed
-        self.prober = HealthProber(self.pool, options.health_check_interval_s).start()
         self._version = 0
         self._syncs = 0
         self._released: set[str] = set()  # SGLang raises (and dies) on resuming a tag it has not released
+        self.prober = HealthProber(self.pool, options.health_check_interval_s,
+                                   enabled=lambda: not self._released).start()
         self.last_sync: SyncStats | None = None
         self.last_sync_metrics: dict[str, float] = {}
 
@@ -73,7 +74,7 @@ class SGLangEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         with self.prober.paused():
-            restarted = self.pool.recover()
+            restarted = self.pool.recover(probe=not self._released)
             alive = self.pool.alive_targets
             if restarted or alive != list(self.transport.targets):
                 self.transport.set_targets(alive)

@@ -66,11 +66,13 @@ class EnginePool:
             self._changed()
         return [s.target.url for s in dead]
 
-    def recover(self) -> bool:
-        """Before a weight sync: probes, restarts dead launched engines, drops dead URL-given ones.
-        Returns whether an engine was restarted (a new process: it must join the weight-update
-        group again); raises below `min_engines`."""
-        self.probe()
+    def recover(self, probe: bool = True) -> bool:
+        """Before a weight sync: probes (unless the engines' memory is released: a probe generates),
+        restarts dead launched engines, drops dead URL-given ones. Returns whether an engine was
+        restarted (a new process: it must join the weight-update group again); raises below
+        `min_engines`."""
+        if probe:
+            self.probe()
         changed = False
         with self._lock:
             for slot in self.slots:
@@ -104,12 +106,14 @@ class EnginePool:
 
 
 class HealthProber:
-    """Probes the pool every `interval_s` seconds in a daemon thread; `paused()` holds it off
-    (a paused or updating engine answers /health_generate slowly with 503)."""
+    """Probes the pool every `interval_s` seconds in a daemon thread while `enabled()`; `paused()`
+    holds it off (a paused or updating engine answers /health_generate slowly with 503, and an
+    engine whose memory is released cannot generate at all)."""
 
-    def __init__(self, pool: EnginePool, interval_s: float):
+    def __init__(self, pool: EnginePool, interval_s: float, enabled: Callable[[], bool] = lambda: True):
         self.pool = pool
         self.interval_s = interval_s
+        self.enabled = enabled
         self._stop = threading.Event()
         self._idle = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="sglang-health", daemon=True)
@@ -125,7 +129,8 @@ class HealthProber:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             with self._idle:
-                self.pool.probe()
+                if self.enabled():
+                    self.pool.probe()
 
     def stop(self) -> None:
         self._stop.set()

@@ -34,19 +34,20 @@ class WeightVerificationError(MegatronGRPOError):
 
 @dataclass
 class WeightSample:
-    """The first `rows` rows of up to `max_tensors` pushed tensors, taken while they stream past."""
+    """The first `rows` rows of pushed tensors, taken while they stream past: every tensor outside
+    the decoder layers (embeddings, final norm, LM head) and up to `max_layer_tensors` of layer 0."""
 
     rows: int = 2
-    max_tensors: int = 8
+    max_layer_tensors: int = 8
     tp_size: int = 1
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def wants(self, name: str) -> bool:
-        if len(self.tensors) >= self.max_tensors:
-            return False
         if self.tp_size > 1 and name.endswith(ROW_SPLIT_SUFFIXES):
             return False
-        return "layers." not in name or ".layers.0." in name
+        if ".layers." not in name:
+            return True
+        return ".layers.0." in name and sum(".layers." in n for n in self.tensors) < self.max_layer_tensors
 
     def tap(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in named_tensors:
@@ -73,16 +74,18 @@ def verify_engines(client: SGLangClient, targets: Sequence[EngineTarget], sample
 
 
 def _check_values(client: SGLangClient, url: str, sample: WeightSample) -> int:
-    checked = 0
+    """Compares the sampled tensors; returns how many were compared (0 = the model cannot answer)."""
+    unknown, checked = [], 0
     for name, sent in sample.tensors.items():
         try:
             got = client.call(url, "/get_weights_by_name", {"name": name, "truncate_size": sample.rows})
         except SGLangError as exc:
-            if exc.status == 400:  # "Get parameter by name failed": the model has no such method
-                return checked
-            raise
+            if exc.status != 400:  # 400 "Get parameter by name failed": no such name, or no such method
+                raise
+            got = None
         if got is None:
-            return checked
+            unknown.append(name)
+            continue
         engine = torch.tensor(got, dtype=torch.float32)
         if not _same_values(sent, engine):
             diff = (sent.float().reshape(engine.shape) - engine).abs().max().item() \
@@ -92,6 +95,10 @@ def _check_values(client: SGLangClient, url: str, sample: WeightSample) -> int:
                 f"pushed (first {sample.rows} rows, shape {tuple(engine.shape)} vs {tuple(sent.shape)}, max |diff| "
                 f"{diff:.3g}); the engine ignored or mis-loaded that tensor")
         checked += 1
+    if checked and unknown:  # the engine answers by name, but not for these: it never loaded them
+        raise WeightVerificationError(
+            f"weight sync verification failed: {url} has no parameter {unknown[0]!r} that the trainer pushed "
+            f"(SGLang skips unknown names without an error); unknown: {unknown}")
     return checked
 
 
