@@ -10,8 +10,9 @@ checked against the 0.16.1 and 0.19.2 sources:
   * DistributedOptimizer.sharded_state_dict: the default sharding ('fully_sharded_model_space')
     fails to save on both versions (flattened_range), so we ask for 'fully_reshardable': one
     model-space tensor per parameter and state (gathered over DP at save), so a checkpoint loads
-    at any TP / PP / DP. Checkpoints saved as 'dp_reshardable' (before) load by passing that
-    sharding_type (save and load must agree; it reshards across DP sizes only).
+    at any TP / PP / DP (run on 0.16.1; 0.19.2 not yet run, Megatron-LM main still lists it in
+    checkpoint_fully_reshardable_formats). Checkpoints saved as 'dp_reshardable' (before) load by
+    passing that sharding_type (save and load must agree; it reshards across DP sizes only).
   * dist_checkpointing.save/load: 0.19 removed `common_strategy` and added `async_strategy`
     (default "nvrx", needs nvidia-resiliency-ext); we only use the synchronous defaults.
   * DDP grad sync calls torch.cuda.current_stream() in 0.19 (handled by launch/cpu.py on CPU).
