@@ -103,8 +103,9 @@ def test_nan_updates_are_skipped_counted_and_stop_the_run(tmp_path):
 # ----------------------------------------------------------------------------- save failures
 
 
-def _train_with_failing_save(rank, world_size, overrides, fail_at_step):
-    """Saves every step; writing checkpoint `fail_at_step` raises ENOSPC (disk full)."""
+def _train_with_failing_save(rank, world_size, overrides, fail_at_step, error=errno.ENOSPC):
+    """Saves every step; writing checkpoint `fail_at_step` raises OSError(error) (default ENOSPC:
+    disk full)."""
     from megatron_grpo.config import load_config
     from megatron_grpo.errors import CheckpointError
     from megatron_grpo.trainer import checkpoint, loop
@@ -113,7 +114,7 @@ def _train_with_failing_save(rank, world_size, overrides, fail_at_step):
 
     def full_disk(path, data):
         if f"step_{fail_at_step}" in str(path) and path.name == "trainer_state.json":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            raise OSError(error, os.strerror(error), str(path))
         return write_file(path, data)
 
     checkpoint._write_file = full_disk
@@ -140,13 +141,27 @@ def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path):
 
 
 def test_unwritable_save_folder_is_a_clear_error(tmp_path):
+    """A save folder that stops being writable during the run (permissions, a remount)."""
+    root = tmp_path / "ckpt"
+    overrides = [*FAST, "trainer.total_steps=1", "checkpoint.save_interval=1", f"checkpoint.save_dir={root}",
+                 f"logging.output_dir={tmp_path}"]
+    message = run_distributed(_train_with_failing_save, 1, (overrides, 1, errno.EACCES), timeout=300)[0]
+    assert message.startswith(f"saving checkpoint step 1 to {root} failed: folder not writable ([Errno 13]")
+    assert message.endswith("no earlier checkpoint exists")
+
+
+def test_save_folder_under_a_file_is_refused_before_training(tmp_path):
+    from megatron_grpo.testing.distributed import DistributedChildError
+
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("a file where the checkpoint folder should be")
     overrides = [*FAST, "trainer.total_steps=1", "checkpoint.save_interval=1",
                  f"checkpoint.save_dir={blocker / 'ckpt'}", f"logging.output_dir={tmp_path}"]
-    message = run_distributed(_train_with_failing_save, 1, (overrides, 99), timeout=300)[0]
-    assert message.startswith(f"saving checkpoint step 1 to {blocker / 'ckpt'} failed: NotADirectoryError")
-    assert message.endswith("no earlier checkpoint exists")
+    with pytest.raises(DistributedChildError) as info:
+        run_distributed(_train_with_failing_save, 1, (overrides, 99), timeout=300)
+    assert (f"RunFolderError: checkpoint.save_dir={blocker / 'ckpt'} is under {blocker}, which is a file, not a "
+            f"folder") in str(info.value)
+    assert not (tmp_path / "metrics.jsonl").exists()  # refused before the first step
 
 
 # ----------------------------------------------------------------------------- SIGKILL crash test
@@ -204,8 +219,8 @@ def test_sigkill_at_random_moments_always_resumes_from_newest_complete(tmp_path)
         saving = root.is_dir() and any(p.name.startswith(".tmp-") and p.stat().st_mtime >= started
                                        for p in root.iterdir())
         text = log_path.read_text() if log_path.exists() else ""
-        if "checkpoint:" not in text:
-            continue  # killed before the trainer looked for checkpoints: not a trial
+        if not re.search(r"checkpoint: (resumed from|no complete checkpoint)", text):
+            continue  # killed before the trainer restored (or chose not to restore) a checkpoint: not a trial
         trials += 1
         killed_during_save += saving
         match = re.search(r"resumed from (\S+) \(step (\d+)\)", text)

@@ -19,6 +19,10 @@ What each patch fixes:
             ('torch.cuda.FloatTensor') for CPU tensors.
   sp-norm   the torch norms refuse sequence_parallel; we allow it and tag the params so that
             finalize_model_grads all-reduces their grads over TP, as TE/apex norms do.
+  adam-step megatron's 'fully_reshardable' optimizer load copies every key of torch AdamW's
+            per-parameter state, 'step' included, from tensors that carry none (the step is in
+            the param groups) -> KeyError: 'step'. The step is left to
+            fix_torch_adam_step_after_load; everything else is copied as before.
   quiet     megatron's tracker.fork() warns "CPU RNG state changed within GPU RNG context" when
             the CPU generator moved inside the fork. With the rng patch the "GPU" state IS the
             CPU generator, so every dropout inside a fork moves it by design (and fork restores
@@ -73,6 +77,7 @@ def apply_cpu_compat() -> bool:
     _patch_torch_cuda_functions()
     _patch_causal_mask()
     _patch_sequence_parallel_norms()
+    _patch_fully_reshardable_adam_step()
     global _redirect_mode
     _redirect_mode = _CudaAllocationsToCpu()
     _redirect_mode.__enter__()  # left active for the life of the process
@@ -174,6 +179,27 @@ def _patch_sequence_parallel_norms() -> None:
         return module
 
     WrappedTorchNorm.__new__ = staticmethod(new)
+
+
+def _patch_fully_reshardable_adam_step() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    @functools.wraps(original)
+    def set_states(self, model_param, tensors):
+        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            return original(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
 def _is_cuda_device(device) -> bool:

@@ -8,8 +8,11 @@ checked against the 0.16.1 and 0.19.2 sources:
     TE spec takes no `normalization` (TE reads config.normalization). We pass keywords only, and
     only those both versions accept.
   * DistributedOptimizer.sharded_state_dict: the default sharding ('fully_sharded_model_space')
-    fails to save on both versions (flattened_range), so we always ask for 'dp_reshardable'
-    (save and load must agree; it reshards across DP sizes, not TP/PP).
+    fails to save on both versions (flattened_range), so we ask for 'fully_reshardable': one
+    model-space tensor per parameter and state (gathered over DP at save), so a checkpoint loads
+    at any TP / PP / DP (run on 0.16.1; 0.19.2 not yet run, Megatron-LM main still lists it in
+    checkpoint_fully_reshardable_formats). Checkpoints saved as 'dp_reshardable' (before) load by
+    passing that sharding_type (save and load must agree; it reshards across DP sizes only).
   * dist_checkpointing.save/load: 0.19 removed `common_strategy` and added `async_strategy`
     (default "nvrx", needs nvidia-resiliency-ext); we only use the synchronous defaults.
   * DDP grad sync calls torch.cuda.current_stream() in 0.19 (handled by launch/cpu.py on CPU).
@@ -24,7 +27,7 @@ from typing import Any
 from megatron_grpo.errors import LaunchError
 
 MIN_VERSION = (0, 16, 1)
-DIST_OPTIMIZER_CKPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+DIST_OPTIMIZER_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def megatron_core_version() -> tuple[int, int, int]:
@@ -56,9 +59,13 @@ def transformer_engine_layer_spec(*, qk_layernorm: bool) -> Any:
     return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
 
 
-def optimizer_sharded_state_dict(optimizer: Any, model_sharded_state_dict: dict, *, is_loading: bool) -> dict:
-    """The optimizer's sharded state dict in the format that saves and resumes on every version.
+def optimizer_sharded_state_dict(optimizer: Any, model_sharded_state_dict: dict, *, is_loading: bool,
+                                 sharding_type: str | None = None) -> dict:
+    """The optimizer's sharded state dict in the format that saves and resumes on every version
+    (or, to load an older checkpoint, in the distributed optimizer's `sharding_type` it used).
 
     Also valid for a non-distributed (or chained) megatron optimizer, which ignores `metadata`."""
-    return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
-                                        metadata=dict(DIST_OPTIMIZER_CKPT_METADATA))
+    metadata = dict(DIST_OPTIMIZER_CKPT_METADATA)
+    if sharding_type is not None:
+        metadata["distrib_optim_sharding_type"] = sharding_type
+    return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
