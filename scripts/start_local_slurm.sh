@@ -21,6 +21,9 @@
 #                            2, 10, 42, 74 ... s                       [5]
 #   SLURM_LOCAL_CTLD_PORT / SLURM_LOCAL_SLURMD_PORT   ports (node i uses SLURMD_PORT+i-1) [6817/6818]
 #   SLURM_LOCAL_TIMEOUT      seconds to wait for idle nodes           [60]
+#   SLURM_LOCAL_OWNER_PID    the cluster lives only as long as this process (scripts/test.sh
+#                            passes its $$): a detached watcher runs stop_local_slurm.sh once the
+#                            process is gone, also after kill -9            [unset: until stopped]
 #
 # Afterwards:  source "$SLURM_LOCAL_DIR/env.sh"  (exports SLURM_CONF); /etc/slurm/slurm.conf is
 # also written when it is absent or ours, so plain `sbatch` works too.
@@ -243,4 +246,28 @@ while :; do
     fi
 done
 out=$(timeout 60 srun -N "$NODES" -n "$NODES" -t 1 hostname 2>&1) || die_logs "smoke test 'srun hostname' failed: $out"
+
+# ---------------------------------------------------------------------------- owner watcher
+# The daemons detach (init is their parent), so no parent-death signal reaches them. A watcher in
+# its own session (a Ctrl-C or kill of the owner's process group spares it) stops the cluster once
+# the owner has ended; the owner's start time tells a reused pid apart.
+start_time() { sed 's/^.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f20; }
+OWNER=${SLURM_LOCAL_OWNER_PID:-}
+if [ -n "$OWNER" ]; then
+    owner_start=""
+    [[ $OWNER =~ ^[0-9]+$ ]] && owner_start=$(start_time "$OWNER")
+    [ -n "$owner_start" ] || die "SLURM_LOCAL_OWNER_PID=$OWNER is not a running process"
+    old=$(cat "$DIR/run/watcher.pid" 2>/dev/null || true)
+    if [[ $old =~ ^[0-9]+$ ]] && tr '\0' ' ' < "/proc/$old/cmdline" 2>/dev/null | grep -qF "megatron-grpo-slurm-watcher $DIR "; then
+        kill "$old" 2>/dev/null || true
+    fi
+    # shellcheck disable=SC2016  # the watcher's own variables, expanded by the watcher
+    setsid bash -c 'dir=$1 owner=$2 start=$3 stop=$4
+        while [ "$(sed "s/^.*) //" "/proc/$owner/stat" 2>/dev/null | cut -d" " -f20)" = "$start" ]; do sleep 1; done
+        echo "[slurm watcher] process $owner ended: stopping the cluster"
+        SLURM_LOCAL_DIR=$dir exec bash "$stop"' megatron-grpo-slurm-watcher "$DIR" "$OWNER" "$owner_start" \
+        "$REPO/scripts/stop_local_slurm.sh" < /dev/null >> "$DIR/log/watcher.log" 2>&1 &
+    echo $! > "$DIR/run/watcher.pid"
+    say "the cluster stops when process $OWNER ends (watcher pid $!)"
+fi
 say "ready: $states(SLURM_CONF=$CONF; source $DIR/env.sh)"

@@ -2,7 +2,8 @@
 # stop_local_slurm.sh - stop what scripts/start_local_slurm.sh started: jobs are cancelled, then
 # the daemons are stopped by the pids in $SLURM_LOCAL_DIR/run (never by process name); step
 # daemons of OUR slurmds (they hold our slurmd log open) are killed if they hang. munged only
-# if start_local_slurm.sh started it. Idempotent.
+# if start_local_slurm.sh started it, and the owner watcher of SLURM_LOCAL_OWNER_PID (unless that
+# watcher is what runs this script). Idempotent.
 #   SLURM_LOCAL_DIR    [/tmp/megatron-grpo-slurm]
 #   SLURM_LOCAL_PURGE  1: also delete $SLURM_LOCAL_DIR, our /etc/slurm files and /etc/hosts lines [0]
 set -uo pipefail
@@ -51,6 +52,13 @@ stop_one() {  # read the pid once (slurmd deletes its pid file on TERM), TERM, w
     if alive "$pid" "$2"; then kill -KILL "$pid" 2>/dev/null; say "$1: pid $pid killed"; else say "$1: pid $pid stopped"; fi
     rm -f "$DIR/run/$1.pid"
 }
+
+watcher=$(cat "$DIR/run/watcher.pid" 2>/dev/null || true)
+if [[ $watcher =~ ^[0-9]+$ ]] && [ "$watcher" != $$ ] \
+        && tr '\0' ' ' < "/proc/$watcher/cmdline" 2>/dev/null | grep -qF "megatron-grpo-slurm-watcher $DIR "; then
+    kill "$watcher" 2>/dev/null && say "owner watcher: pid $watcher stopped"
+fi
+rm -f "$DIR/run/watcher.pid"
 
 if pid_of slurmctld slurmctld >/dev/null && [ -f "$SLURM_CONF" ]; then
     jobs=$(squeue -h -o %i 2>/dev/null | tr '\n' ' ')
