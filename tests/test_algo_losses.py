@@ -37,6 +37,30 @@ def test_kl_straight_through_value_of_base_gradient_of_k2(name):
     torch.testing.assert_close(logp.grad, (logp.detach() - ref) * weights)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["k1", "abs", "k2", "k3"])
+def test_kl_straight_through_forward_is_exact_in_low_precision(name, dtype):
+    """The "+" value equals the base estimator's own value in the same dtype, bit for bit, and
+    both are within the dtype's rounding of the float64 value; the gradient is k2's, (logp - ref).
+    logp - ref = 73.3 is where `k2 + (value - k2).detach()` rounded away from the value (fp32
+    k1+: 73.30005 for 73.3; bf16 k3+: 16 for 10)."""
+    from megatron_grpo.testing.floats import assert_close_to_float64
+
+    logp64 = torch.tensor([72.3, -1.25, -0.5, -30.0, 4.0], dtype=torch.float64)
+    ref64 = torch.tensor([-1.0, -1.0, -0.5, -1.0, -3.5], dtype=torch.float64)
+    logp = logp64.to(dtype).requires_grad_()
+    ref = ref64.to(dtype)
+    value = kl_penalty(logp, ref, name + "+")
+    base = kl_penalty(logp.detach(), ref, name)
+    assert value.dtype == dtype and torch.equal(value.detach(), base)
+    # float64 from the same rounded inputs: the difference is the estimator's own rounding
+    reference = kl_penalty(logp.detach().double(), ref.double(), name)
+    assert_close_to_float64(value, reference, dtype=dtype, terms=4, name=f"{name}+ in {dtype}")
+    value.sum().backward()
+    assert_close_to_float64(logp.grad, logp.detach().double() - ref.double(), dtype=dtype, terms=2,
+                            name=f"d {name}+ / d logp in {dtype}")
+
+
 def test_kl_gradients_of_base_estimators():
     logp = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([-1.5, -1.0, -0.25], dtype=torch.float64)

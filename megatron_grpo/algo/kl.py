@@ -4,7 +4,7 @@
     "abs"                |logp - ref|
     "mse" / "k2"         0.5 * (logp - ref)^2
     "low_var_kl" / "k3"  d = clamp(ref - logp, -20, 20); exp(d) - d - 1, clamped to [-10, 10]
-    "<name>+"            straight-through: the value of <name>, the gradient of k2.
+    "<name>+"            straight-through: the value of <name> exactly, the gradient of k2.
 
 k1 and k3 are unbiased estimates of KL(pi || ref) but their gradients are not the gradient of the KL;
 k2's gradient is (logp - ref), which is. verl 0.8 raised NotImplementedError for every "+" name
@@ -61,4 +61,6 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     if not straight_through:
         return value
     k2 = _k2(log_prob, ref_log_prob)
-    return k2 + (value - k2).detach()  # forward: value; backward: d k2
+    # verl's form: k2 - k2.detach() is exactly 0, so the forward value is `value` bit for bit;
+    # `k2 + (value - k2).detach()` rounds twice (in bf16, k3+ = 16 where k3 = 10).
+    return k2 - k2.detach() + value.detach()
