@@ -1,7 +1,7 @@
 """The tiny CPU recipe through slurm/grpo_tiny_cpu.sh -- the same launcher (slurm/lib/grpo_common.sh)
 as the GPU scripts -- on a REAL local Slurm (scripts/start_local_slurm.sh: munged, slurmctld and one
 slurmd per emulated node on this machine): `sbatch --wait` on one node with 2 tasks, and on 2
-emulated nodes with fake GPUs and 2 stand-in SGLang servers (a tiny HTTP /health stub), which
+emulated nodes with fake GPUs and 2 stand-in SGLang servers (a tiny HTTP /health_generate stub), which
 checks engine steps, the health wait, the URLs handed to the trainer and that the exit trap stops
 every server. Asserts the job's exit code and that metrics.jsonl has every step.
 
@@ -107,7 +107,8 @@ def test_sbatch_tiny_cpu_one_node_two_tasks(slurm, tmp_path: Path) -> None:
 
 
 STUB_SERVER = textwrap.dedent('''
-    """Stands in for sglang.launch_server: records its pid and argv, answers GET /health."""
+    """Stands in for sglang.launch_server: records its pid and argv, answers GET /health_generate
+    (what the batch script waits on: SGLang's /health may answer before the model can serve)."""
     import argparse, os, sys
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -119,7 +120,7 @@ STUB_SERVER = textwrap.dedent('''
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
+            self.send_response(200 if self.path == "/health_generate" else 404)
             self.end_headers()
 
         def log_message(self, *a):

@@ -114,6 +114,7 @@ def test_dry_run_qwen3_8b_colocated() -> None:
     for i, engine in enumerate(engines):
         assert f"--tp-size 1 --base-gpu-id {i} " in engine["cmd"]
         assert "--enable-memory-saver" in engine["cmd"] and "--mem-fraction-static 0.4" in engine["cmd"]
+        assert "--enable-deterministic-inference" in engine["cmd"]  # the trainer's seeds take effect
         assert "-m sglang.launch_server" in engine["cmd"]
     assert plan["router"] == []
     trainer_launch = plan["launch"][-1]["cmd"]

@@ -71,7 +71,7 @@ def assert_on_policy_steps(records, steps: int) -> None:
 def test_trainer_launches_servers_and_router_distributed_sync(tmp_path, policy_dir, harness_environment):
     """Launched engines behind a launched router; distributed (gloo broadcast) weight sync."""
     run = tmp_path / "run"
-    overrides = base_overrides(policy_dir, run, 3) + trainer_overrides(policy_dir) + [
+    overrides = base_overrides(policy_dir, run, 3) + trainer_overrides() + [
         "rollout.sglang.num_engines=2", f"rollout.sglang.port={free_port()}", "rollout.sglang.router=true",
         f"rollout.sglang.router_port={free_port()}", "rollout.sglang.router_policy=round_robin",
         "rollout.sglang.weight_sync=distributed"]
@@ -98,7 +98,7 @@ def test_trainer_drives_servers_given_by_url(tmp_path, policy_dir, given_servers
     records = run_distributed(_train, 2, (base_overrides(policy_dir, tmp_path / "run", 3) + [
         f"rollout.sglang.urls=[{','.join(urls)}]", f"rollout.sglang.weight_sync={transport}"],), timeout=600)[0]
     assert_on_policy_steps(records, 3)
-    assert records[1]["actor/grad_norm"] > 0
+    assert any(r["actor/grad_norm"] > 0 for r in records)  # the policy moved: the syncs carried news
     assert [str(_model_info(url)["weight_version"]) for url in urls] == ["3"] * len(urls)  # a string in SGLang
 
 
@@ -128,7 +128,7 @@ def test_launched_engine_killed_at_random_moments_is_restarted(tmp_path, policy_
     once and every sample drawn by the previous step's weights."""
     monkeypatch.setenv("HARNESS_FORWARD_DELAY_S", "0.003")  # rollouts take long enough to be hit
     run, port, steps, kills = tmp_path / "run", free_port(), 9, 5
-    overrides = base_overrides(policy_dir, run, steps) + trainer_overrides(policy_dir) + [
+    overrides = base_overrides(policy_dir, run, steps) + trainer_overrides() + [
         "rollout.sglang.num_engines=2", f"rollout.sglang.port={port}", "rollout.sglang.weight_sync=distributed",
         "rollout.sglang.max_retries=4", "data.max_response_length=16"]
     rng = random.Random(0)

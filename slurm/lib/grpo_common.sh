@@ -7,8 +7,10 @@
 #      the recipe; a bad recipe fails here, before any server starts;
 #   2. plans the placement: trainer nodes and tasks, and which node/GPUs/port each SGLang engine
 #      gets (ENGINE_PLACEMENT, below);
-#   3. starts one `srun` step per engine (python -m sglang.launch_server), waits for GET /health
-#      on all of them, then the router (python -m sglang_router.launch_router) on the batch node;
+#   3. starts one `srun` step per engine (python -m sglang.launch_server), waits until each answers
+#      GET /health_generate (it generated a token), then the router (python -m
+#      sglang_router.launch_router) on the batch node, ready on GET /readiness (its /health is 200
+#      even with no live worker);
 #   4. starts the trainer with ONE srun TASK PER GPU (python -m megatron_grpo.train RECIPE
 #      logging.output_dir=RUN_DIR rollout.sglang.urls=[...] "$@"), waits for it;
 #   5. on exit, USR1 (`--signal=B:USR1@120`: time limit / preemption notice) or TERM: forwards
@@ -113,6 +115,7 @@ values = dict(R_ENGINE=c.rollout.engine, R_MODEL_PATH=c.model.path or "", R_TP=s
               R_NUM_ENGINES=s.num_engines, R_MEM_FRACTION=s.mem_fraction, R_PORT=s.port,
               R_ROUTER=int(s.router), R_ROUTER_PORT=s.router_port, R_ROUTER_POLICY=s.router_policy,
               R_WEIGHT_SYNC=s.weight_sync, R_STARTUP_TIMEOUT=int(s.startup_timeout_s),
+              R_DETERMINISTIC=int(s.deterministic_inference),
               R_NUM_URLS=len(s.urls),
               R_MODEL_PARALLEL=c.parallel.tensor * c.parallel.pipeline * c.parallel.context)
 for key, value in values.items():
@@ -181,6 +184,8 @@ grpo_engine_cmd() {
         --base-gpu-id "${GRPO_ENGINE_BASE_GPU[$k]}" --host "${SGLANG_BIND_HOST:-$host}" --port "${GRPO_ENGINE_PORT[$k]}"
         --mem-fraction-static "$R_MEM_FRACTION")
     [ "$GRPO_PLACEMENT" = colocated ] && GRPO_CMD+=(--enable-memory-saver)
+    # SGLang ignores the trainer's sampling seeds without it (rollout.sglang.deterministic_inference).
+    [ "$R_DETERMINISTIC" = 1 ] && GRPO_CMD+=(--enable-deterministic-inference)
     GRPO_CMD+=("${R_EXTRA_ARGS[@]}")
     local extra=(); read -r -a extra <<< "${SGLANG_EXTRA_ARGS:-}"; GRPO_CMD+=("${extra[@]}")
     per_node=$((GPUS_PER_NODE / R_TP))
@@ -286,14 +291,14 @@ grpo_stop_servers() {
     GRPO_PIDS=(); GRPO_PID_NAMES=()
 }
 
-grpo_health_ok() {
-    if command -v curl >/dev/null; then curl -sf -m 5 -o /dev/null "$1/health"
-    else "$GRPO_PYTHON" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/health", timeout=5)' "$1" 2>/dev/null; fi
+grpo_health_ok() {  # grpo_health_ok URL PATH: GET URL+PATH answers 2xx
+    if command -v curl >/dev/null; then curl -sf -m 30 -o /dev/null "$1$2"
+    else "$GRPO_PYTHON" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + sys.argv[2], timeout=30)' "$1" "$2" 2>/dev/null; fi
 }
 
-grpo_wait_healthy() {  # grpo_wait_healthy PID_INDEX_OFFSET URL...: every URL answers /health
-    local offset=$1 deadline url i pending
-    shift
+grpo_wait_healthy() {  # grpo_wait_healthy PID_INDEX_OFFSET PATH URL...: every URL answers PATH
+    local offset=$1 path=$2 deadline url i pending
+    shift 2
     deadline=$(($(date +%s) + ${SGLANG_STARTUP_TIMEOUT_S:-$R_STARTUP_TIMEOUT}))
     pending=("$@")
     while [ "${#pending[@]}" -gt 0 ]; do
@@ -303,7 +308,7 @@ grpo_wait_healthy() {  # grpo_wait_healthy PID_INDEX_OFFSET URL...: every URL an
                 grpo_die "${GRPO_PID_NAMES[$i]} exited before all servers were healthy (logs in $GRPO_LOG_DIR)"; }
         done
         local still=()
-        for url in "${pending[@]}"; do grpo_health_ok "$url" || still+=("$url"); done
+        for url in "${pending[@]}"; do grpo_health_ok "$url" "$path" || still+=("$url"); done
         pending=("${still[@]}")
         [ "${#pending[@]}" = 0 ] && break
         [ "$(date +%s)" -lt "$deadline" ] || grpo_die "not healthy after ${SGLANG_STARTUP_TIMEOUT_S:-$R_STARTUP_TIMEOUT}s: ${pending[*]} (logs in $GRPO_LOG_DIR)"
@@ -387,11 +392,11 @@ grpo_main() {
         urls+=("$(grpo_engine_url "$k")")
     done
     if [ "${#urls[@]}" -gt 0 ]; then
-        grpo_wait_healthy 0 "${urls[@]}"
+        grpo_wait_healthy 0 /health_generate "${urls[@]}"
         if [ "$R_ROUTER" = 1 ]; then
             grpo_router_cmd
             grpo_start_bg router "$GRPO_LOG_DIR/router.log" "${GRPO_CMD[@]}"
-            grpo_wait_healthy "$(( ${#GRPO_PIDS[@]} - 1 ))" "$GRPO_ROUTER_URL"
+            grpo_wait_healthy "$(( ${#GRPO_PIDS[@]} - 1 ))" /readiness "$GRPO_ROUTER_URL"
             export GRPO_SGLANG_ROUTER_URL=$GRPO_ROUTER_URL   # for the trainer's /generate traffic
         fi
     fi

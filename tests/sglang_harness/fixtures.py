@@ -92,9 +92,12 @@ def launch_servers(log_dir: str | Path, settings: Sequence[ServerSettings], *, r
     return launcher
 
 
-def trainer_overrides(model_dir: str | Path) -> list[str]:
-    """Recipe overrides that make the trainer launch harness servers instead of sglang.launch_server."""
-    return [f"rollout.sglang.launch_command=[{sglang_python()},-m,{SERVER_MODULE},{','.join(HARNESS_FLAGS)}]"]
+def trainer_overrides() -> list[str]:
+    """Recipe overrides that make the trainer launch harness servers (and the real router from the
+    SGLang venv) instead of `sglang.launch_server` / `sglang_router.launch_router`."""
+    return [f"rollout.sglang.launch_command=[{sglang_python()},-m,{SERVER_MODULE},{','.join(HARNESS_FLAGS)}]",
+            f"rollout.sglang.router_command=[{sglang_python()},-m,sglang_router.launch_router,"
+            f"--prometheus-port={free_port()}]"]
 
 
 def sglang_checksum(tensor: torch.Tensor) -> str:
