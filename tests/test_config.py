@@ -200,9 +200,12 @@ def test_defaults_relative_to_including_file_and_errors_name_base_file(tmp_path)
 
 
 def test_defaults_errors(tmp_path):
+    from megatron_grpo.config.recipe_file import RECIPE_DIRS
+
     recipe = write(tmp_path, "r.yaml", "defaults: [missing.yaml]\n")
+    looked = ", ".join(str(d / "missing.yaml") for d in (tmp_path, *RECIPE_DIRS))
     assert error_of(load_config, recipe) == (
-        f"{recipe}:1: defaults entry 'missing.yaml' not found (looked for {tmp_path / 'missing.yaml'})")
+        f"{recipe}:1: defaults entry 'missing.yaml' not found (looked for {looked})")
     write(tmp_path, "a.yaml", "defaults: [b.yaml]\n")
     write(tmp_path, "b.yaml", "defaults: [a.yaml]\n")
     assert error_of(load_config, tmp_path / "a.yaml").startswith("recipe defaults form a cycle: ")
@@ -327,7 +330,18 @@ def test_valid_base_passes():
     (["rollout.max_new_tokens=600"], "rollout.max_new_tokens=600 must be in [1, data.max_response_length=512]"),
     (["actor.optim.min_lr=1"], "actor.optim.min_lr=1.0 must be in [0, lr=1e-06]"),
     (["actor.optim.betas=[0.9]"], "actor.optim.betas=[0.9] must be two numbers in [0, 1)"),
-    (["reward.function=nocolon"], "reward.function='nocolon' must be one of gsm8k, math, synthetic"),
+    (["reward.function=nocolon"], "reward.function='nocolon' is not a known built-in reward function "
+                                  "(known: by_data_source, gsm8k, math, synthetic); or 'pkg.module:fn'"),
+    (["reward.function=gsm8K"], "reward.function='gsm8K' is not a known built-in reward function; did you "
+                                "mean 'gsm8k'?"),
+    (["reward.max_error_frac=1.5"], "reward.max_error_frac=1.5 must be in [0, 1] (1 = never stop)"),
+    (["algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator='grpoo' is not a known advantage estimator; "
+                                        "did you mean 'grpo'? (known: grpo, reinforce_plus_plus_baseline, rloo)"),
+    (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator='gae': verl's advantage estimator 'gae' is not "
+                                      "available here (GAE needs a critic (PPO); this trainer has none)"),
+    (["actor.policy_loss.loss_mode=gspoo"], "actor.policy_loss.loss_mode='gspoo' is not a known policy loss; "
+                                            "did you mean 'gspo'? (known: gspo, vanilla)"),
+    (["model.dtype=float16"], "model.dtype=float16 is not supported: the trainer runs float32 or bfloat16"),
     (["eval.n_samples=4"], "eval.greedy=true gives 4 identical samples"),
     (["eval.greedy=false", "eval.n_samples=2", "eval.pass_k=[1,4]"], "eval.pass_k=[1, 4]: each k must be in [1, eval.n_samples=2]"),
     (["data.task=null"], "no training data: set data.train_files or data.task"),
@@ -374,3 +388,53 @@ def test_all_problems_in_one_message():
     message = error_of(validate, valid("rollout.n=1", "actor.clip_ratio_c=0.5"))
     assert message.startswith("2 config problems: algorithm.adv_estimator=grpo needs rollout.n >= 2")
     assert "; actor.clip_ratio_c=0.5 must be > 1" in message
+
+
+# ---------------------------------------------------------------- verl habits, registry-backed names
+
+
+def test_defaults_found_in_shipped_recipes_when_not_next_to_the_recipe(tmp_path):
+    """A user recipe outside recipes/ builds on the shipped base.yaml / tiny_cpu.yaml by name; a
+    file next to the recipe still comes first."""
+    recipe = write(tmp_path, "mine.yaml", "defaults: [tiny_cpu.yaml]\ntrainer: {total_steps: 3}\n")
+    config = load_config(recipe)
+    assert config.trainer.total_steps == 3
+    assert config == load_config("tiny_cpu", ["trainer.total_steps=3"])
+    write(tmp_path, "tiny_cpu.yaml", "rollout: {n: 7}\n")
+    assert load_config(recipe).rollout.n == 7 and load_config(recipe).data.task is None
+
+
+def test_straight_through_kl_names_are_accepted():
+    for name in ("low_var_kl+", "k3+", "k1+", "abs+", "mse+", "k2+", "kl+"):
+        validate(valid(f"actor.kl_loss_type={name}"))
+    assert error_of(load_config, None, ["actor.kl_loss_type=low_var"]).endswith("did you mean 'low_var_kl'?")
+
+
+def test_builtin_names_equal_the_registries():
+    """config/names.py lists the registries' built-in names so that config checks need no torch."""
+    from megatron_grpo.algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+    from megatron_grpo.algo.kl import kl_estimator_names
+    from megatron_grpo.config import names
+    from megatron_grpo.config.schema import KlEstimator
+    from megatron_grpo.rewards.loader import BUILTIN_REWARDS
+    import typing
+
+    assert list(names.ADVANTAGE_ESTIMATORS.builtin) == ADVANTAGE_ESTIMATORS.names()
+    assert list(names.POLICY_LOSSES.builtin) == POLICY_LOSSES.names()
+    assert list(names.REWARD_FUNCTIONS.builtin) == sorted(BUILTIN_REWARDS)
+    assert sorted(typing.get_args(KlEstimator)) == sorted(kl_estimator_names())
+    assert not set(names.ADVANTAGE_ESTIMATORS.verl_only) & set(ADVANTAGE_ESTIMATORS.names())
+    assert not set(names.POLICY_LOSSES.verl_only) & set(POLICY_LOSSES.names())
+
+
+def test_registered_names_count_once_registered():
+    import megatron_grpo.algo.advantages as advantages
+
+    assert "my_estimator_for_test" not in advantages.ADVANTAGE_ESTIMATORS
+    advantages.register_advantage_estimator("my_estimator_for_test")(advantages.grpo_advantage)
+    try:
+        validate(valid("algorithm.adv_estimator=my_estimator_for_test"))
+    finally:
+        del advantages.ADVANTAGE_ESTIMATORS._entries["my_estimator_for_test"]
+    assert "not a known advantage estimator" in error_of(
+        validate, valid("algorithm.adv_estimator=my_estimator_for_test"))

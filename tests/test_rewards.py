@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_grpo.errors import ConfigError
+from megatron_grpo.errors import ConfigError, MegatronGRPOError
 from megatron_grpo.rewards import RewardRequest, RewardRunner, load_reward_function
 from megatron_grpo.rewards import gsm8k, math_equiv, synthetic
 
@@ -177,14 +177,20 @@ def test_runner_survives_raising_hanging_dying_and_bad_results(pool, caplog):
         assert elapsed < 60
         assert result.scores == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0]
         assert result.errors == [False, True, True, False, True, True, False, False]
+        # 4 of 8 failed: not more than reward.max_error_frac=0.5, so the batch is scored
         assert result.metrics["reward/errors"] == 4.0
         assert result.metrics["reward/timeouts"] == 1.0
+        assert {k: result.metrics[f"reward/errors/{k}"] for k in ("raised", "timeout", "bad_type", "nan")} == {
+            "raised": 2.0, "timeout": 1.0, "bad_type": 1.0, "nan": 0.0}  # raised: the exception and the dead worker
         # the pool still works afterwards (the hung and the dead worker were replaced)
         again = pool.score(_requests(["ok", "raise", "ok"]))
-        assert again.scores == [1.0, 0.0, 1.0] and again.metrics["reward/errors"] == 1.0
-    failures = [r for r in caplog.records if "failed" in r.getMessage()]
-    assert len(failures) == 1  # the first traceback only
-    assert "ValueError: this response makes the reward function raise" in failures[0].getMessage()
+        assert again.scores == [1.0, 0.0, 1.0] and again.metrics["reward/errors/raised"] == 1.0
+    shown = [r.getMessage() for r in caplog.records if "first '" in r.getMessage()]
+    # the first failure of each kind, once, with its input and traceback / reason
+    assert [m.split("first '")[1].split("'")[0] for m in shown] == ["raised", "timeout", "bad_type"]
+    assert "response='raise'" in shown[0] and "ValueError: this response makes the reward function raise" in shown[0]
+    assert "timed out after 3.0 s" in shown[1]
+    assert "returned 'not a number' (str)" in shown[2]
     assert pool.workers_replaced >= 2
 
 
@@ -210,3 +216,183 @@ def test_runner_builtin_in_process_and_config_errors():
         RewardRunner("gsm8k", num_workers=0, timeout_s=5.0)
     with pytest.raises(ConfigError, match="no callable"):
         RewardRunner(f"{USER_FILE}:absent", num_workers=0, timeout_s=None)
+
+
+# -- verl reward functions, unchanged --------------------------------------------------------------
+
+# Written as verl documents them (docs/preparation/reward_function.rst; the batched form is what
+# BatchRewardManager calls): each records what it was given, so the test sees verl's arguments.
+VERL_REWARDS = """
+import json
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if data_source == "openai/gsm8k":
+        score = float(solution_str.strip() == ground_truth)
+    else:
+        raise NotImplementedError(f"Reward function is not implemented for {data_source=}")
+    return {"score": score, "seen": json.dumps([data_source, solution_str, ground_truth, extra_info])}
+
+
+def my_reward_fn(data_source, solution_str, ground_truth, extra_info=None):
+    return len(solution_str) / 100
+
+
+def compute_score_batched(data_sources, solution_strs, ground_truths, extra_infos, **kwargs):
+    return [float(s == g) * kwargs.get("scale", 1.0) + 0.5 * (d == "b")
+            for d, s, g in zip(data_sources, solution_strs, ground_truths)]
+
+
+async def compute_score_async(data_source, solution_str, ground_truth, extra_info):
+    return float(solution_str == ground_truth)
+
+
+def renamed(source, text, gold, info=None):
+    return {"score": float(text == gold), "source_is_b": float(source == "b")}
+
+
+def two_args(solution_str, ground_truth):
+    return 1.0
+"""
+
+
+@pytest.fixture
+def verl_file(tmp_path):
+    path = tmp_path / "verl_reward.py"
+    path.write_text(VERL_REWARDS)
+    return path
+
+
+def _verl_requests(rows):
+    return [RewardRequest(prompt=f"question {i}", response=response, ground_truth=truth,
+                          extra={"index": i, "data_source": source}) for i, (source, response, truth) in enumerate(rows)]
+
+
+def test_verl_compute_score_gets_verl_arguments_in_process_and_in_workers(verl_file):
+    """An unchanged verl compute_score is called as verl calls it: data_source (not the prompt),
+    solution_str, ground_truth, extra_info; in the trainer process and in a worker process."""
+    from megatron_grpo.rewards.loader import RewardSpec
+
+    rows = [("openai/gsm8k", "42", "42"), ("openai/gsm8k", "41", "42")]
+    fn = load_reward_function(RewardSpec(f"{verl_file}:compute_score"))
+    seen = [json.loads(fn(r.prompt, r.response, r.ground_truth, r.extra)["seen"]) for r in _verl_requests(rows)]
+    assert seen == [["openai/gsm8k", "42", "42", {"index": 0, "data_source": "openai/gsm8k"}],
+                    ["openai/gsm8k", "41", "42", {"index": 1, "data_source": "openai/gsm8k"}]]
+    for workers, timeout in ((0, None), (1, 30.0)):
+        with RewardRunner(f"{verl_file}:compute_score", num_workers=workers, timeout_s=timeout) as runner:
+            result = runner.score(_verl_requests(rows))
+        assert result.scores == [1.0, 0.0] and result.metrics["reward/errors"] == 0.0
+
+
+def test_verl_batched_async_and_documented_example(verl_file):
+    with RewardRunner(f"{verl_file}:compute_score_batched", num_workers=0, timeout_s=None,
+                      kwargs={"scale": 2.0}) as runner:  # batched: decided from the parameter names
+        assert runner.batched
+        result = runner.score(_verl_requests([("a", "x", "x"), ("b", "x", "y"), ("b", "y", "y")]))
+        assert result.scores == [2.0, 0.5, 2.5]
+    with RewardRunner(f"{verl_file}:compute_score_async", num_workers=0, timeout_s=None) as runner:
+        assert runner.score(_verl_requests([("a", "x", "x"), ("a", "x", "y")])).scores == [1.0, 0.0]
+    with RewardRunner(f"{verl_file}:my_reward_fn", num_workers=0, timeout_s=None) as runner:
+        assert runner.score(_verl_requests([("a", "abcd", "x")])).scores == [0.04]
+
+
+def test_signature_override(verl_file):
+    rows = [("b", "x", "x"), ("a", "x", "y")]
+    # renamed parameters: auto sees a native function (called with the prompt first) ...
+    with RewardRunner(f"{verl_file}:renamed", num_workers=0, timeout_s=None) as runner:
+        result = runner.score(_verl_requests(rows))
+        assert [m["source_is_b"] for m in result.sample_metrics] == [0.0, 0.0]
+    # ... reward.signature=verl passes verl's arguments in verl's order
+    with RewardRunner(f"{verl_file}:renamed", num_workers=0, timeout_s=None, signature="verl") as runner:
+        result = runner.score(_verl_requests(rows))
+        assert result.scores == [1.0, 0.0] and [m["source_is_b"] for m in result.sample_metrics] == [1.0, 0.0]
+    # reward.signature=native on a verl-named function: the prompt goes first, as for any native one
+    with RewardRunner(f"{verl_file}:compute_score", num_workers=0, timeout_s=None, signature="native",
+                      max_error_frac=1.0) as runner:
+        assert runner.score(_verl_requests([("openai/gsm8k", "x", "x")])).errors == [True]  # data_source = prompt
+
+
+def test_wrong_arity_is_a_config_error_before_any_call(verl_file):
+    with pytest.raises(ConfigError, match=r"two_args takes \(solution_str, ground_truth\), but is called as "
+                                          r"verl \(data_source, solution_str, ground_truth, extra_info\): too many"):
+        RewardRunner(f"{verl_file}:two_args", num_workers=0, timeout_s=None)
+    with pytest.raises(ConfigError, match=r"my_reward_fn takes .* called as verl .*unexpected keyword argument 'k'"):
+        RewardRunner(f"{verl_file}:my_reward_fn", num_workers=0, timeout_s=None, kwargs={"k": 1})
+
+
+BAD_REWARDS = """
+import math
+
+
+def always_raises(prompt, response, ground_truth, extra):
+    return 1 / 0
+
+
+def returns(prompt, response, ground_truth, extra):
+    return {"str": "1.0", "none": None, "nan": math.nan, "inf": -math.inf, "list": [1.0], "true": True,
+            "nodict": {"acc": 1.0}, "one": 1, "float": 0.5}[response]
+"""
+
+
+@pytest.fixture
+def bad_file(tmp_path):
+    path = tmp_path / "bad_reward.py"
+    path.write_text(BAD_REWARDS)
+    return path
+
+
+def test_mostly_failing_batch_stops_with_one_error_naming_function_input_and_exception(bad_file):
+    from megatron_grpo.rewards import RewardFailure
+
+    with RewardRunner(f"{bad_file}:always_raises", num_workers=0, timeout_s=None) as runner:
+        with pytest.raises(RewardFailure) as info:
+            runner.score(_verl_requests([("openai/gsm8k", "#### 3", "3"), ("x", "y", "z")]))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"reward function {bad_file}:always_raises failed on 2 of 2 calls (raised 2), "
+                              "more than reward.max_error_frac=0.5; first failure (raised) on "
+                              "data_source='openai/gsm8k', ground_truth='3', response='#### 3', prompt='question 0': ")
+    assert message.endswith("ZeroDivisionError: division by zero")
+
+
+def test_bad_results_are_counted_by_kind(bad_file, caplog):
+    kinds = {"str": "bad_type", "none": "bad_type", "list": "bad_type", "nodict": "bad_type", "nan": "nan",
+             "inf": "nan"}
+    responses = [*kinds, "true", "one", "float"]
+    with RewardRunner(f"{bad_file}:returns", num_workers=0, timeout_s=None, max_error_frac=1.0) as runner:
+        with caplog.at_level(logging.WARNING, logger="megatron_grpo.rewards.runner"):
+            result = runner.score(_requests(responses))
+            runner.score(_requests(["str", "nan"]))  # shown already: counted, not printed again
+    assert result.scores == [0.0] * 6 + [1.0, 1.0, 0.5]  # bools count as 0 / 1, as in verl's reward tensor
+    assert result.errors == [True] * 6 + [False] * 3
+    assert (result.metrics["reward/errors/bad_type"], result.metrics["reward/errors/nan"]) == (4.0, 2.0)
+    assert result.metrics["reward/errors"] == 6.0 and result.metrics["reward/errors/raised"] == 0.0
+    shown = [r.getMessage() for r in caplog.records]
+    assert len(shown) == 2
+    assert "first 'bad_type' failure" in shown[0] and "returned '1.0' (str)" in shown[0]
+    assert "first 'nan' failure" in shown[1] and "non-finite score nan" in shown[1]
+    for limit, stops in ((0.0, True), (0.5, True), (0.7, False)):  # 6 of 9 failed = 0.67
+        with RewardRunner(f"{bad_file}:returns", num_workers=0, timeout_s=None, max_error_frac=limit) as runner:
+            if stops:
+                with pytest.raises(MegatronGRPOError, match="more than reward.max_error_frac"):
+                    runner.score(_requests(responses))
+            else:
+                assert runner.score(_requests(responses)).metrics["reward/errors"] == 6.0
+
+
+def test_by_data_source_scores_each_row_by_its_source():
+    """A mixed batch: each row gets the score its own source's scorer gives (the scorers alone are
+    the reference); a source with no scorer is a raised failure naming it."""
+    rows = [("openai/gsm8k", "so #### 42", "42"), ("openai/gsm8k", "so #### 41", "42"),
+            ("HuggingFaceH4/MATH-500", "the answer is \\boxed{\\frac{1}{2}}", "0.5"),
+            ("lighteval/MATH", "\\boxed{3}", "4"), ("aime_2024", "\\boxed{17}", "17"),
+            ("synthetic/digits", "314<|im_end|>", "413"), ("codecontests", "print(1)", "1")]
+    with RewardRunner("by_data_source", num_workers=0, timeout_s=None) as runner:
+        result = runner.score(_verl_requests(rows))
+    expected = [gsm8k.compute_score("so #### 42", "42"), gsm8k.compute_score("so #### 41", "42"),
+                math_equiv.compute_score("the answer is \\boxed{\\frac{1}{2}}", "0.5"),
+                math_equiv.compute_score("\\boxed{3}", "4"), math_equiv.compute_score("\\boxed{17}", "17"),
+                synthetic.reward("", "314<|im_end|>", "413")["score"], 0.0]
+    assert result.scores == expected == [1.0, 0.0, 1.0, 0.0, 1.0, pytest.approx(1 / 3), 0.0]
+    assert result.errors == [False] * 6 + [True]
+    assert result.metrics["reward/errors/raised"] == 1.0

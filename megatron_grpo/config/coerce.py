@@ -175,7 +175,10 @@ def _scalar(value: Any, tp: Any, key: str, declared: Any, sources: Sources) -> A
 
 def type_error(key: str, tp: Any, value: Any, sources: Sources) -> ConfigError:
     got = "null" if value is None else f"{value!r} ({type(value).__name__})"
-    return ConfigError(f"{key}: expected {describe(tp)}, got {got}{locate(sources, key)}")
+    choices = [a for a in get_args(strip_optional(tp)) if isinstance(a, str)]
+    match = difflib.get_close_matches(value, choices, n=1, cutoff=0.6) if isinstance(value, str) else []
+    hint = f"; did you mean {match[0]!r}?" if match else ""
+    return ConfigError(f"{key}: expected {describe(tp)}, got {got}{locate(sources, key)}{hint}")
 
 
 def _is_union(tp: Any) -> bool:

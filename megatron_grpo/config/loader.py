@@ -9,16 +9,11 @@ import yaml
 
 from megatron_grpo.config.coerce import build
 from megatron_grpo.config.overrides import apply_override
-from megatron_grpo.config.recipe_file import RawRecipe, load_recipe
+from megatron_grpo.config.recipe_file import RECIPE_DIRS, RawRecipe, load_recipe
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError
 
-# Where bare recipe names (`tiny_cpu`) are looked up: the source tree's recipes/ and, in an
-# installed package, megatron_grpo/recipes/.
-RECIPE_DIRS = (
-    Path(__file__).resolve().parents[2] / "recipes",
-    Path(__file__).resolve().parents[1] / "recipes",
-)
+# Bare recipe names (`tiny_cpu`) are looked up in RECIPE_DIRS (recipe_file.py), as `defaults:` entries are.
 
 
 def resolve_recipe(name: str | Path) -> Path:

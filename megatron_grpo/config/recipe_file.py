@@ -1,8 +1,9 @@
 """Reading YAML recipes: line numbers for every key, and `defaults:` inheritance.
 
-A recipe may start with `defaults: [base.yaml, ...]` (paths relative to the recipe file). The bases
-are merged in order, then the recipe itself; mappings merge key by key, every other value (lists
-included) is replaced whole by the later layer.
+A recipe may start with `defaults: [base.yaml, ...]`: each path is looked up next to the recipe
+file, then in the shipped recipe folders (RECIPE_DIRS), so a recipe anywhere can build on
+`base.yaml` or `tiny_cpu.yaml`. The bases are merged in order, then the recipe itself; mappings
+merge key by key, every other value (lists included) is replaced whole by the later layer.
 """
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ import yaml
 from megatron_grpo.errors import ConfigError
 
 DEFAULTS_KEY = "defaults"
+
+# The shipped recipes: the source tree's recipes/ and, in an installed package, megatron_grpo/recipes/.
+RECIPE_DIRS = (
+    Path(__file__).resolve().parents[2] / "recipes",
+    Path(__file__).resolve().parents[1] / "recipes",
+)
 
 
 @dataclass
@@ -97,9 +104,11 @@ def load_recipe(path: Path, _chain: tuple[Path, ...] = ()) -> RawRecipe:
         raise ConfigError(f"{where}: defaults must be a list of recipe paths, got {bases!r}")
     merged = RawRecipe({}, {})
     for base in bases:
-        base_path = path.parent / base
-        if not base_path.is_file():
-            raise ConfigError(f"{where}: defaults entry '{base}' not found (looked for {base_path})")
+        candidates = [path.parent / base, *(folder / base for folder in RECIPE_DIRS)]
+        base_path = next((c for c in candidates if c.is_file()), None)
+        if base_path is None:
+            looked = ", ".join(str(c) for c in dict.fromkeys(candidates))
+            raise ConfigError(f"{where}: defaults entry '{base}' not found (looked for {looked})")
         layer = load_recipe(base_path, (*_chain, here))
         deep_merge(merged.data, layer.data)
         merged.sources.update(layer.sources)

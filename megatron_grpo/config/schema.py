@@ -16,7 +16,9 @@ from typing import Any, Literal, Optional
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
-KlEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+# "<name>+": the value of <name>, the gradient of k2 (straight-through, algo/kl.py)
+KlEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+                      "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -30,7 +32,7 @@ class ModelConfig:
     tokenizer_path: Optional[str] = None
     # HF config fields set on top of the loaded config.json (verl: model.override_config).
     override_config: dict[str, Any] = field(default_factory=dict)
-    dtype: Dtype = "auto"  # auto = bfloat16 on GPU, float32 on CPU
+    dtype: Dtype = "auto"  # auto = bfloat16 on GPU, float32 on CPU; float16 is refused (validate.py)
     make_vocab_size_divisible_by: int = 128  # megatron pads the vocab to a multiple of this x TP
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"  # auto = TE if importable
     recompute_granularity: Literal["none", "selective", "full"] = "none"
@@ -158,7 +160,7 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    loss_mode: Literal["vanilla", "gspo"] = "vanilla"
+    loss_mode: str = "vanilla"  # vanilla | gspo | a registered policy loss (checked in validate.py)
 
 
 @dataclass(frozen=True)
@@ -207,11 +209,19 @@ class RefConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    # gsm8k | math | "pkg.module:fn" | "path/to/file.py:fn"
+    # gsm8k | math | synthetic | by_data_source (each row's scorer by its data_source, as verl's
+    # default) | "pkg.module:fn" | "path/to/file.py:fn"
     function: str = "gsm8k"
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the reward function
     num_workers: int = 4  # process pool size; 0 = in the trainer process
     timeout_s: float = 10.0  # per call; a timeout scores 0 and counts in reward/errors
+    # How `function` is called: verl = compute_score(data_source, solution_str, ground_truth,
+    # extra_info) (or its batched form), native = fn(prompt, response, ground_truth, extra);
+    # auto = decided from the function's parameter names.
+    signature: Literal["auto", "verl", "native"] = "auto"
+    # A batch in which more than this fraction of the calls fail (raise, time out, return no
+    # finite number) stops the run; below it, failures score 0 and count in reward/errors/<kind>.
+    max_error_frac: float = 0.5
     format_score: float = 0.0
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_grpo.config.model_dims import model_dims
+from megatron_grpo.config.names import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, REWARD_FUNCTIONS, check_name, unknown_name
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError
 
 GROUP_ESTIMATORS = ("grpo", "rloo")  # need >= 2 samples per prompt to form a baseline
-BUILTIN_REWARDS = ("gsm8k", "math", "synthetic")  # mirrors rewards.loader.BUILTIN_REWARDS (kept import-free)
 
 
 def validate(config: Config, world_size: Optional[int] = None) -> None:
@@ -33,6 +33,9 @@ def _model(c: Config, out: list[str]) -> None:
     m = c.model
     if m.path is None and m.config_path is None and not m.override_config:
         out.append("no model: set model.path (HF folder or hub id) or model.config_path (random init)")
+    if m.dtype == "float16":
+        out.append("model.dtype=float16 is not supported: the trainer runs float32 or bfloat16 (fp16 would "
+                   "need loss scaling); use bfloat16 on GPU")
     if m.make_vocab_size_divisible_by < 1:
         out.append(f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} must be >= 1")
     if m.recompute_num_layers < 1:
@@ -124,6 +127,9 @@ def _sglang(c: Config, out: list[str]) -> None:
 
 def _algorithm(c: Config, out: list[str]) -> None:
     a = c.algorithm
+    problem = check_name("algorithm.adv_estimator", a.adv_estimator, ADVANTAGE_ESTIMATORS)
+    if problem:
+        out.append(problem)
     if a.adv_estimator in GROUP_ESTIMATORS and c.rollout.n < 2:
         out.append(f"algorithm.adv_estimator={a.adv_estimator} needs rollout.n >= 2 samples per prompt "
                    f"(got {c.rollout.n}; verl's GRPO examples use 5)")
@@ -138,6 +144,9 @@ def _algorithm(c: Config, out: list[str]) -> None:
 
 def _actor(c: Config, out: list[str]) -> None:
     a = c.actor
+    problem = check_name("actor.policy_loss.loss_mode", a.policy_loss.loss_mode, POLICY_LOSSES)
+    if problem:
+        out.append(problem)
     mini, batch = a.ppo_mini_batch_size, c.data.train_batch_size
     if mini < 1:
         out.append(f"actor.ppo_mini_batch_size={mini} must be >= 1")
@@ -193,11 +202,17 @@ def _optim(c: Config, out: list[str]) -> None:
 
 def _reward(c: Config, out: list[str]) -> None:
     r = c.reward
-    if r.function not in BUILTIN_REWARDS:
+    builtin = REWARD_FUNCTIONS.known()
+    if r.function not in builtin:
         target, sep, fn = r.function.rpartition(":")
-        if not sep or not target or not fn.isidentifier():
-            out.append(f"reward.function={r.function!r} must be one of {', '.join(BUILTIN_REWARDS)}, "
+        if not sep:
+            out.append(unknown_name("reward.function", r.function, REWARD_FUNCTIONS.kind, builtin)
+                       + "; or 'pkg.module:fn' / 'path/to/file.py:fn'")
+        elif not target or not fn.isidentifier():
+            out.append(f"reward.function={r.function!r} must be one of {', '.join(builtin)}, "
                        f"'pkg.module:fn' or 'path/to/file.py:fn'")
+    if not 0 <= r.max_error_frac <= 1:
+        out.append(f"reward.max_error_frac={r.max_error_frac} must be in [0, 1] (1 = never stop)")
     if r.num_workers < 0:
         out.append(f"reward.num_workers={r.num_workers} must be >= 0 (0 = in-process)")
     if r.timeout_s <= 0:

@@ -1,7 +1,9 @@
 """Resolve a reward function from a spec string: a built-in name, "pkg.module:fn" or "path/to/file.py:fn".
 
-Workers of the reward pool resolve the same string again, so a spec must be importable by name or
-path in a fresh (spawned) interpreter: lambdas and closures are not specs.
+Workers of the reward pool resolve the same spec again, so it must be importable by name or path in
+a fresh (spawned) interpreter: lambdas and closures are not specs. A RewardSpec adds how the
+function is called (signature.py): a verl `compute_score` comes back behind this project's
+convention, so the runner and its workers call every function the same way.
 """
 from __future__ import annotations
 
@@ -9,13 +11,16 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from megatron_grpo.errors import ConfigError
+from megatron_grpo.rewards.signature import Convention, adapt, check_callable, convention_of
 
 # Built-in reward functions: name -> "module:function". Each takes (prompt, response, ground_truth, extra).
 BUILTIN_REWARDS: dict[str, str] = {
+    "by_data_source": "megatron_grpo.rewards.by_source:reward",
     "gsm8k": "megatron_grpo.rewards.gsm8k:reward",
     "math": "megatron_grpo.rewards.math_equiv:reward",
     "synthetic": "megatron_grpo.rewards.synthetic:reward",
@@ -55,8 +60,39 @@ def _load_file(path: Path):
     return module
 
 
-def load_reward_function(spec: str) -> Callable:
-    """The callable named by `spec`; ConfigError with the spec when it cannot be found."""
+@dataclass(frozen=True)
+class RewardSpec:
+    """What a reward worker loads: the function (a spec string) and its call convention."""
+
+    target: str
+    signature: str = "auto"  # auto | verl | native (reward.signature)
+
+
+@dataclass(frozen=True)
+class PreparedReward:
+    fn: Callable            # called as fn(prompt, response, ground_truth, extra) (or the batched form)
+    convention: Convention  # what the function itself declares
+
+
+def load_reward_function(spec: str | RewardSpec) -> Callable:
+    """The callable named by `spec`; ConfigError with the spec when it cannot be found. A string
+    gives the function itself; a RewardSpec gives it behind this project's call convention."""
+    if isinstance(spec, RewardSpec):
+        fn = _load(spec.target)
+        return adapt(fn, convention_of(fn, spec.signature))
+    return _load(spec)
+
+
+def prepare_reward_function(spec: RewardSpec, kwargs: dict) -> PreparedReward:
+    """Loads, checks that the function takes the arguments its convention passes (ConfigError
+    otherwise, naming the function), and adapts it; what the runner does before any call."""
+    fn = _load(spec.target)
+    convention = convention_of(fn, spec.signature)
+    check_callable(fn, convention, kwargs, spec.target)
+    return PreparedReward(adapt(fn, convention), convention)
+
+
+def _load(spec: str) -> Callable:
     canonical = canonical_spec(spec)
     target, _, fn_name = canonical.rpartition(":")
     if target.endswith(".py"):

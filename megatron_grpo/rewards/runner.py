@@ -1,15 +1,16 @@
 """RewardRunner: scores a batch of responses in a pool of spawned worker processes.
 
 Each call has a timeout that starts when a worker receives it; a call that raises, times out, kills
-its worker or returns something that is not a score gets reward 0 and is counted in
-metrics["reward/errors"] (timeouts also in "reward/timeouts"); the first traceback is logged once.
+its worker or returns something that is not a score gets reward 0 and is counted per kind in
+metrics["reward/errors/<kind>"] (failures.py: the first of each kind is logged once with its
+traceback; more than max_error_frac failed calls in a batch raise RewardFailure). verl's
+compute_score signature is detected and adapted (signature.py).
 A timed-out worker is killed and replaced, so a hung function never blocks a batch. Results come
 back in input order. Workers die with the process that started them, also when it is killed by
 SIGKILL (launch.lifetime.die_with_parent).
 """
 from __future__ import annotations
 
-import logging
 import math
 import multiprocessing
 import os
@@ -17,14 +18,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from numbers import Real
 from typing import Any, Sequence
 
 from megatron_grpo.errors import ConfigError
 from megatron_grpo.rewards._worker import worker_main
-from megatron_grpo.rewards.loader import canonical_spec, load_reward_function
-
-logger = logging.getLogger(__name__)
+from megatron_grpo.rewards.failures import BadResult, CallFailure, FailureReport, SampleView, normalize
+from megatron_grpo.rewards.loader import RewardSpec, canonical_spec, prepare_reward_function
 
 
 @dataclass(frozen=True)
@@ -45,26 +44,6 @@ class RewardBatchResult:
     metrics: dict[str, float]               # reward/errors, reward/timeouts, reward/<key> means
 
 
-class _InvalidResult(Exception):
-    pass
-
-
-def _normalize(result: Any) -> tuple[float, dict[str, float]]:
-    """A float-like or {"score": x, **metrics} -> (score, metrics); anything else is an error."""
-    if isinstance(result, dict):
-        if "score" not in result:
-            raise _InvalidResult(f"reward dict has no 'score' key: {sorted(result)}")
-        extras = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, Real)}
-        score = result["score"]
-    else:
-        score, extras = result, {}
-    if isinstance(score, bool) or not isinstance(score, Real):
-        raise _InvalidResult(f"reward must be a number or a dict with 'score', got {type(score).__name__}")
-    if not math.isfinite(float(score)):
-        raise _InvalidResult(f"reward is not finite: {score}")
-    return float(score), extras
-
-
 @dataclass
 class _Worker:
     process: multiprocessing.process.BaseProcess
@@ -79,12 +58,14 @@ class RewardRunner:
     num_workers=0 calls the function in this process (no isolation; then timeout_s must be None,
     since a call in this process cannot be interrupted). batched=True calls
     fn(prompts, responses, ground_truths, extras) -> list on chunks of `chunk_size` requests
-    (default: an even split over the workers); a failed chunk fails all its samples.
+    (default: an even split over the workers); a failed chunk fails all its samples. A function
+    whose parameters say it is batched (responses / solution_strs) is called batched anyway.
+    `signature` (auto | verl | native) and `max_error_frac` are reward.signature / max_error_frac.
     """
 
     def __init__(self, function: str, *, num_workers: int = 4, timeout_s: float | None = 30.0,
                  kwargs: dict | None = None, batched: bool = False, chunk_size: int | None = None,
-                 startup_timeout_s: float = 120.0):
+                 startup_timeout_s: float = 120.0, signature: str = "auto", max_error_frac: float = 0.5):
         if num_workers < 0:
             raise ConfigError(f"reward.num_workers must be >= 0, got {num_workers}")
         if num_workers == 0 and timeout_s is not None:
@@ -93,22 +74,25 @@ class RewardRunner:
         if timeout_s is not None and timeout_s <= 0:
             raise ConfigError(f"reward.timeout_s must be > 0 or null, got {timeout_s}")
         self.spec = canonical_spec(function)
-        self._fn = load_reward_function(self.spec)  # fails here, early, with the spec in the message
         self.kwargs = dict(kwargs or {})
-        self.batched = batched
+        self._load_spec = RewardSpec(self.spec, signature)  # what each worker loads
+        # fails here, early, with the spec in the message: missing function, wrong arity
+        prepared = prepare_reward_function(self._load_spec, self.kwargs)
+        self._fn = prepared.fn
+        self.batched = batched or prepared.convention.batched
         self.chunk_size = chunk_size
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s
         self._context = multiprocessing.get_context("spawn")
+        self._failures = FailureReport(self.spec, max_error_frac)
         self._workers: list[_Worker] = [self._start_worker() for _ in range(num_workers)]
-        self._logged_traceback = False
         self.workers_replaced = 0  # how many workers were killed (timeout) or died
 
     # -- pool management -------------------------------------------------------------------------
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._context.Pipe(duplex=True)
-        process = self._context.Process(target=worker_main, args=(child_conn, self.spec, self.kwargs, os.getpid()),
+        process = self._context.Process(target=worker_main, args=(child_conn, self._load_spec, self.kwargs, os.getpid()),
                                         daemon=True, name="reward-worker")
         process.start()
         child_conn.close()
@@ -223,34 +207,41 @@ class RewardRunner:
                  outcomes: list[tuple[str, Any]]) -> RewardBatchResult:
         n = len(requests)
         scores, sample_metrics, errors = [0.0] * n, [dict() for _ in range(n)], [False] * n
-        timeouts = 0
+        failures: list[CallFailure] = []
         start = 0
         for args, (status, payload) in zip(tasks, outcomes):
             count = len(args[0]) if self.batched else 1
             span = range(start, start + count)
             start += count
+            kind = {"error": "raised", "timeout": "timeout"}.get(status)
             if status == "ok":
                 try:
                     results = payload if self.batched else [payload]
                     if self.batched and (not isinstance(results, (list, tuple)) or len(results) != count):
-                        raise _InvalidResult(f"batched reward must return a list of {count} results")
-                    normalized = [_normalize(r) for r in results]
-                except _InvalidResult as exc:
-                    status, payload = "error", f"{self.spec}: {exc}"
+                        raise BadResult("bad_type", f"a batched call must return a list of {count} results, got "
+                                                    f"{type(results).__name__} of length {_length(results)}")
+                    normalized = [normalize(r) for r in results]
+                except BadResult as exc:
+                    kind, payload = exc.kind, f"{self.spec}: {exc}"
                 else:
                     for i, (score, extras) in zip(span, normalized):
                         scores[i], sample_metrics[i] = score, extras
                     continue
-            timeouts += count if status == "timeout" else 0
             for i in span:
                 errors[i] = True
-            if not self._logged_traceback:
-                self._logged_traceback = True
-                logger.warning("reward function %s failed (scored 0; later failures are only counted "
-                               "in reward/errors):\n%s", self.spec, payload)
-        metrics = {"reward/errors": float(sum(errors)), "reward/timeouts": float(timeouts)}
+            failures.append(CallFailure(kind, span.start, count, str(payload)))
+        inputs = [SampleView(r.prompt, r.response, r.ground_truth, (r.extra or {}).get("data_source"))
+                  for r in requests]
+        metrics = self._failures.account(failures, inputs)  # raises RewardFailure past max_error_frac
         keys = sorted({k for m in sample_metrics for k in m})
         for key in keys:
             values = [m[key] for m in sample_metrics if key in m]
             metrics[f"reward/{key}"] = sum(values) / len(values)
         return RewardBatchResult(scores, sample_metrics, errors, metrics)
+
+
+def _length(value: Any) -> str:
+    try:
+        return str(len(value))
+    except TypeError:
+        return "-"
