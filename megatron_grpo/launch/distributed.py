@@ -3,7 +3,7 @@
     ctx = init_distributed()                      # discovers ranks from the launcher's env
     initialize_model_parallel(ParallelLayout(tensor=2), seed=1234)
     ...
-    shutdown()                                    # on every exit path (trainer/main.py: finally)
+    shutdown()                                    # on every exit path (failed=True on an exception)
 
 nccl on CUDA (one device per local rank: cuda:LOCAL_RANK), gloo on CPU. When the default group
 already exists (the test harness made it), it is checked against the discovered ranks and kept.
@@ -110,12 +110,17 @@ def _check_existing_group(ranks: RankInfo) -> None:
             f"but the {ranks.launcher} environment says rank {ranks.rank}/{ranks.world_size}")
 
 
-def shutdown(idle_timeout_s: float = 10.0) -> None:
+def shutdown(*, failed: bool = False, idle_timeout_s: float = 10.0) -> None:
     """Ends this process's part in the job: destroys megatron's model-parallel groups and the default
     group (if they exist), then waits until every gloo worker thread is parked (see the module
-    docstring). Local, not a collective: safe on an error path. Idempotent."""
+    docstring). Idempotent. With failed=True (an exception is on its way out) nccl groups are left
+    to the process exit: other ranks may still be inside a collective, and nccl's destroy, which
+    aborts communicators, can then hang; gloo's destroy is local and always runs."""
     from megatron.core import parallel_state
 
+    if failed and dist.is_initialized() and dist.get_backend() == "nccl":
+        wait_for_idle_gloo_workers(idle_timeout_s)
+        return
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
@@ -134,8 +139,9 @@ def wait_for_idle_gloo_workers(timeout_s: float = 10.0) -> list[int]:
     condition-variable wait of its run loop, which it enters only after releasing its last work
     (and so the tensors whose release needs the GIL). A worker busy with a collective, or waiting
     for the GIL (a timed wait), is not parked. Looks every 1 ms (the sleep also lets a worker take
-    the GIL) until two looks in a row find all parked. Returns the thread ids still busy after `timeout_s` (and logs a warning);
-    [] at once where /proc/self/task/*/syscall cannot tell (not Linux x86_64 / aarch64)."""
+    the GIL) until two looks in a row find all parked. Returns the thread ids still busy after
+    `timeout_s` (and logs a warning); [] at once where /proc/self/task/*/syscall cannot tell (not
+    Linux x86_64 / aarch64)."""
     futex = _FUTEX.get(platform.machine())
     if futex is None or not os.path.isdir("/proc/self/task"):
         return []

@@ -35,12 +35,14 @@ def main(argv=None) -> int:
     from megatron_grpo.launch.distributed import shutdown
     from megatron_grpo.trainer.loop import train
 
+    # On every exit path (done, a one-line error, a crash): no gloo worker may still be releasing
+    # a collective when the interpreter finalizes (launch/distributed.py, "Exit").
     try:
         out = train(cfg)
-    finally:
-        # On every exit path (done, a one-line error, a crash): no gloo worker may still be
-        # releasing a collective when the interpreter finalizes (launch/distributed.py: exit).
-        shutdown()
+    except BaseException:
+        shutdown(failed=True)
+        raise
+    shutdown()
     if ranks.rank == 0:
         print(f"done: metrics in {out / 'metrics.jsonl'}", flush=True)
     return 0
