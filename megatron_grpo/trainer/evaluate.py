@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 
 from megatron_grpo.launch.cpu import cuda_redirect_paused
-from megatron_grpo.rewards.runner import RewardRequest
 from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
+from megatron_grpo.trainer.rollout_phase import _reward_request
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -33,11 +33,8 @@ def evaluate(run) -> dict[str, float]:
                 for i, p in enumerate(prompts)]
     with cuda_redirect_paused():
         samples = run.engine.generate(requests)
-    result = run.rewards.score([
-        RewardRequest(prompt=prompts[int(s.group_id)].text,
-                      response=run.tokenizer.decode(s.response_ids, skip_special_tokens=True),
-                      ground_truth=prompts[int(s.group_id)].record.ground_truth,
-                      extra=dict(prompts[int(s.group_id)].record.extra_info)) for s in samples])
+    # the same request as in training (data_source in `extra`), so a reward scores eval rows alike
+    result = run.rewards.score([_reward_request(s, prompts[int(s.group_id)], run.tokenizer) for s in samples])
     correct: dict[str, int] = {}
     for sample, score in zip(samples, result.scores):
         correct[sample.group_id] = correct.get(sample.group_id, 0) + (score >= 1.0)
