@@ -3,6 +3,7 @@
     bash benchmarks/run_gpu_bench.sh                  # the prepared run (~3-5 min on an H100/H200)
     python benchmarks/bench_gpu.py --model qwen3-1.7b # same, choosing the model / sizes yourself
     python benchmarks/bench_gpu.py --dry-run          # tiny shapes on CPU (or GPU): checks the code paths
+    bash scripts/gpu_check.sh                         # on a GPU machine: this, plus the GPU tests and a GRPO run
 
 Without CUDA (and without --dry-run) it exits at once with a message: nothing here is meaningful
 on CPU.
@@ -21,16 +22,27 @@ Sections (each a row group of the table):
    backward with entropy (what the trainer runs) reads them twice and writes the gradient once
    (3*T*V*2). Shown against the card's peak HBM bandwidth and against a measured device copy
    (logits.clone(): read + write), the practical ceiling.
-3. local engine generation: rollout.local.LocalEngine (HF transformers Qwen3, bf16, KV cache) on
+3. log-prob peak memory: the extra device memory (beyond the logits) of one forward + backward of
+   ops.vocab_parallel log-probs + entropy (what the trainer runs), gradient included, against dense
+   torch.log_softmax(logits.float()).gather(...) on the same [T, V] bf16 logits (bench_logprob's
+   methods (c+H) and (a), measured the same way: torch.cuda.max_memory_allocated).
+4. local engine generation: rollout.local.LocalEngine (HF transformers Qwen3, bf16, KV cache) on
    P prompts x n samples, EOS disabled so every row decodes exactly the requested tokens.
    Generated tokens/s; "weight read" is parameter bytes x decode steps / time, a lower bound on the
    HBM traffic of decoding (KV-cache reads come on top).
 Times: CUDA-synchronised wall clock, median of the measured repetitions after warm-up.
+
+Targets (TARGETS; the table's "target" column): train-step MFU >= 45%, log-prob forward + backward
+>= 70% of the device copy's bandwidth, log-prob peak memory <= 0.25x dense fp32. Each section runs
+on its own: one that raises is named under raw["errors"] and the others still report, and --json
+is rewritten after every section (raw["running"] names the one in progress), so a run killed at a
+time limit leaves what it measured.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -38,6 +50,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Dense (no sparsity) bf16 TFLOPS and HBM TB/s from the vendors' data sheets, by device-name substring.
 # First match wins, so the more specific names come first. --peak-tflops / --peak-tbps override.
@@ -64,6 +78,19 @@ COMMON = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size
               eos_token_id=151645)
 
 
+# The issue's targets: (key in raw["targets"], comparison, value)
+TARGETS = {"train_mfu": (">=", 0.45), "logprob_fwd_bwd_vs_copy": (">=", 0.70), "logprob_memory_vs_dense": ("<=", 0.25)}
+
+
+def target_verdict(key: str, value: Optional[float], raw: dict) -> tuple[str, str]:
+    """("target" text, "met" / "not met"), and the outcome recorded in raw["targets"]."""
+    op, bound = TARGETS[key]
+    text = f"{op} {bound:.0%}" if key != "logprob_memory_vs_dense" else f"{op} {bound:.2f}x"
+    met = None if value is None else (value >= bound if op == ">=" else value <= bound)
+    raw.setdefault("targets", {})[key] = dict(value=value, target=f"{op} {bound}", met=met)
+    return text, "n/a" if met is None else ("met" if met else "not met")
+
+
 @dataclass
 class Row:
     section: str
@@ -71,6 +98,8 @@ class Row:
     measured: str
     peak: str = "n/a"
     fraction: str = "n/a"
+    target: str = ""
+    verdict: str = ""
 
 
 @dataclass
@@ -80,10 +109,20 @@ class Report:
     raw: dict = field(default_factory=dict)
 
     def markdown(self) -> str:
-        lines = [f"Device: {self.device}", "", "| benchmark | setting | measured | peak | % of peak |",
-                 "|---|---|---:|---:|---:|"]
-        lines += [f"| {r.section} | {r.setting} | {r.measured} | {r.peak} | {r.fraction} |" for r in self.rows]
+        lines = [f"Device: {self.device}", "", "| benchmark | setting | measured | peak | % of peak | target |",
+                 "|---|---|---:|---:|---:|---|"]
+        lines += [f"| {r.section} | {r.setting} | {r.measured} | {r.peak} | {r.fraction} | "
+                  f"{r.target + (' (' + r.verdict + ')' if r.verdict else '')} |" for r in self.rows]
         return "\n".join(lines)
+
+    def write_json(self, path: Optional[str], args: argparse.Namespace) -> None:
+        if not path:
+            return
+        data = {"table": self.markdown(), "rows": [vars(r) for r in self.rows], "raw": self.raw, "args": vars(args)}
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+        os.replace(tmp, path)  # a reader (or a kill) never sees half a file
 
 
 def hf_config(name: str, vocab_size: Optional[int] = None) -> dict:
@@ -189,9 +228,10 @@ def bench_train(args, device: torch.device, dtype: torch.dtype, report: Report, 
     backend = resolve_backend(args.backend)
     setting = (f"{args.model} ({params / 1e6:,.1f}M params, {backend} spec, bf16), {args.micro_batches} x "
                f"[{args.micro_batch_rows} x {seq}] tokens, fwd+bwd+Adam")
+    target, verdict = target_verdict("train_mfu", achieved / peak_tflops if peak_tflops else None, report.raw)
     report.rows.append(Row("train step", setting, f"{achieved:.{1 if achieved >= 0.1 else 4}f} TFLOP/s ({seconds:.3f} s/step, "
                            f"{tokens / seconds:,.0f} tok/s)", f"{peak_tflops:.0f} TFLOP/s" if peak_tflops else "n/a",
-                           pct(achieved, peak_tflops) + " MFU" if peak_tflops else "n/a"))
+                           pct(achieved, peak_tflops) + " MFU" if peak_tflops else "n/a", target, verdict))
     report.raw["train"] = dict(seconds=seconds, tokens=tokens, tflops=achieved, params=params, backend=backend,
                                peak_memory=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
     del optimizer, policy, chunks
@@ -237,15 +277,46 @@ def bench_logprob(args, device: torch.device, report: Report, peak_tbps: Optiona
                                f"{bandwidth(tbps * 1e12)} ({seconds * 1e3:.2f} ms)", peak, pct(tbps, peak_tbps)))
     copy_tbps = raw["device copy (clone)"]["tbps"]
     for name in ("vocab_parallel_logprobs fwd", "logprobs+entropy fwd+bwd"):
+        target, verdict = "", ""
+        if name == "logprobs+entropy fwd+bwd":
+            target, verdict = target_verdict("logprob_fwd_bwd_vs_copy", raw[name]["tbps"] / copy_tbps, report.raw)
         report.rows.append(Row("log-prob kernels", f"{name} vs device copy", bandwidth(raw[name]["tbps"] * 1e12),
-                               bandwidth(copy_tbps * 1e12), pct(raw[name]["tbps"], copy_tbps)))
+                               bandwidth(copy_tbps * 1e12), pct(raw[name]["tbps"], copy_tbps), target, verdict))
     report.raw["logprob"] = raw
     del logits, targets
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-# ----- 3. generation ---------------------------------------------------------------------------
+# ----- 3. log-prob peak memory ------------------------------------------------------------------
+def bench_memory(args, device: torch.device, report: Report) -> None:
+    import bench_logprob
+
+    raw = {}
+    for method in ("a", "cH"):
+        cfg = bench_logprob.Config(method=method, tokens=args.memory_tokens, vocab=args.memory_vocab, tp=1, hidden=0,
+                                   device=str(device), repeats=0, chunk_size=None)
+        inputs = bench_logprob._make_inputs(cfg, 0, device)
+        with bench_logprob.PeakMemory(device) as peak:
+            bench_logprob._step(cfg, inputs)
+        raw[method] = dict(peak_extra=peak.extra, logits_bytes=inputs["logits"].numel() * 2)
+        del inputs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    ratio = raw["cH"]["peak_extra"] / raw["a"]["peak_extra"] if raw["a"]["peak_extra"] > 0 else None
+    raw["ratio"] = ratio
+    shape = f"[{args.memory_tokens} x {args.memory_vocab}] bf16 logits, fwd+bwd, gradient included"
+    gib = 2 ** 30
+    report.rows.append(Row("log-prob peak memory", f"dense log_softmax(logits.float()).gather, {shape}",
+                           f"{raw['a']['peak_extra'] / gib:.2f} GiB"))
+    target, verdict = target_verdict("logprob_memory_vs_dense", ratio, report.raw)
+    report.rows.append(Row("log-prob peak memory", f"ours: vocab_parallel log-probs + entropy, {shape}",
+                           f"{raw['cH']['peak_extra'] / gib:.2f} GiB ({ratio:.3f}x dense)" if ratio is not None
+                           else f"{raw['cH']['peak_extra'] / gib:.2f} GiB", target=target, verdict=verdict))
+    report.raw["memory"] = raw
+
+
+# ----- 4. generation ---------------------------------------------------------------------------
 def bench_generation(args, device: torch.device, dtype: torch.dtype, report: Report, peak_tbps: Optional[float]) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -299,7 +370,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 # ----- main ------------------------------------------------------------------------------------
 DRY_RUN = dict(model="tiny", vocab_size=1024, micro_batch_rows=2, micro_batches=2, prompt_length=8,
-               response_length=8, logprob_tokens=64, logprob_vocab=2048, gen_prompts=2, gen_n=2,
+               response_length=8, logprob_tokens=64, logprob_vocab=2048, memory_tokens=64, memory_vocab=2048,
+               gen_prompts=2, gen_n=2,
                gen_prompt_length=8, gen_new_tokens=4, warmup=1, repeats=2)
 
 
@@ -316,6 +388,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--response-length", type=int, default=768)
     parser.add_argument("--logprob-tokens", type=int, default=16384)
     parser.add_argument("--logprob-vocab", type=int, default=151936)
+    parser.add_argument("--memory-tokens", type=int, default=16384, help="T of the log-prob memory section")
+    parser.add_argument("--memory-vocab", type=int, default=151936, help="V of the log-prob memory section")
     parser.add_argument("--gen-prompts", type=int, default=64)
     parser.add_argument("--gen-n", type=int, default=8)
     parser.add_argument("--gen-prompt-length", type=int, default=256)
@@ -324,7 +398,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the card (default: from its name)")
     parser.add_argument("--peak-tbps", type=float, help="HBM peak in TB/s (default: from its name)")
-    parser.add_argument("--only", choices=["train", "logprob", "generation"], action="append",
+    parser.add_argument("--only", choices=list(SECTIONS), action="append",
                         help="run only these sections (repeatable)")
     parser.add_argument("--json", help="also write the table and raw numbers to this file")
     args = parser.parse_args(argv)
@@ -347,24 +421,49 @@ def main(argv: Optional[list[str]] = None) -> int:
     dtype = torch.bfloat16
     name, peak_tflops, peak_tbps = device_peaks(device, args.peak_tflops, args.peak_tbps)
     report = Report(device=name)
-    sections = args.only or ["train", "logprob", "generation"]
-    started = time.perf_counter()
-    if "train" in sections:
-        bench_train(args, device, dtype, report, peak_tflops)
-        print(f"train step done ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-    if "logprob" in sections:
-        bench_logprob(args, device, report, peak_tbps)
-        print(f"log-prob kernels done ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-    if "generation" in sections:
-        bench_generation(args, device, dtype, report, peak_tbps)
-        print(f"generation done ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-    report.raw["wall_seconds"] = time.perf_counter() - started
     report.raw["versions"] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    started = time.perf_counter()
+    runners = {"train": lambda: bench_train(args, device, dtype, report, peak_tflops),
+               "logprob": lambda: bench_logprob(args, device, report, peak_tbps),
+               "memory": lambda: bench_memory(args, device, report),
+               "generation": lambda: bench_generation(args, device, dtype, report, peak_tbps)}
+    for section in [s for s in SECTIONS if s in (args.only or SECTIONS)]:
+        report.raw["running"] = section
+        report.write_json(args.json, args)
+        try:
+            runners[section]()
+            status = "done"
+        except Exception as exc:  # noqa: BLE001 - one broken section must not cost the others their figures
+            report.raw.setdefault("errors", {})[section] = f"{type(exc).__name__}: {exc}"
+            report.rows.append(Row(SECTIONS[section], "failed", f"{type(exc).__name__}: {exc}"[:300]))
+            status = f"FAILED ({type(exc).__name__}: {exc})"
+            _release_after_failure(device)
+        print(f"{SECTIONS[section]} {status} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+        report.raw["wall_seconds"] = time.perf_counter() - started
+        report.raw.pop("running")
+        report.write_json(args.json, args)
     print(report.markdown())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"table": report.markdown(), "raw": report.raw, "args": vars(args)}, f, indent=2, default=str)
-    return 0
+    from megatron_grpo.launch.distributed import shutdown
+
+    shutdown(idle_timeout_s=1.0)  # the train section's process groups; nothing runs after it
+    return 1 if report.raw.get("errors") else 0
+
+
+SECTIONS = {"train": "train step", "logprob": "log-prob kernels", "memory": "log-prob peak memory",
+            "generation": "local engine generation"}
+
+
+def _release_after_failure(device: torch.device) -> None:
+    """A failed section may leave megatron's parallel state and device memory behind."""
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
