@@ -181,6 +181,12 @@ class ActorConfig:
     # this many tokens (verl: use_dynamic_bsz + ppo_max_token_len_per_gpu). Exactly one is set.
     ppo_micro_batch_size_per_gpu: Optional[int] = None
     max_tokens_per_micro_batch: Optional[int] = 16384
+    # Sequence packing (verl: use_remove_padding): a micro-batch's sequences in one row, no padding
+    # between them (trainer/micro_batches.py); false = one right-padded row per sequence.
+    packing: bool = True
+    # Token budget of the forward-only old-log-prob pass; None = max_tokens_per_micro_batch
+    # (verl: rollout.log_prob_max_token_len_per_gpu).
+    logprob_max_tokens_per_micro_batch: Optional[int] = None
     ppo_epochs: int = 1
     shuffle: bool = False  # shuffle sequences between mini-batches
     use_kl_loss: bool = False
@@ -203,7 +209,7 @@ class ActorConfig:
 class RefConfig:
     # None = a frozen copy of the initial policy (model.path / its random init).
     model_path: Optional[str] = None
-    max_tokens_per_micro_batch: Optional[int] = None  # None = the actor's micro-batching
+    max_tokens_per_micro_batch: Optional[int] = None  # reference-log-prob pass; None = the actor's micro-batching
     param_offload: bool = False  # keep reference weights on CPU between uses
 
 

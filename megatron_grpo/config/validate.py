@@ -163,9 +163,10 @@ def _actor(c: Config, out: list[str]) -> None:
     if tokens is not None and tokens < longest:
         out.append(f"actor.max_tokens_per_micro_batch={tokens} is below the longest sequence "
                    f"(max_prompt_length + max_response_length = {longest})")
-    ref_tokens = c.ref.max_tokens_per_micro_batch
-    if ref_tokens is not None and ref_tokens < longest:
-        out.append(f"ref.max_tokens_per_micro_batch={ref_tokens} is below the longest sequence ({longest})")
+    for key, budget in (("ref.max_tokens_per_micro_batch", c.ref.max_tokens_per_micro_batch),
+                        ("actor.logprob_max_tokens_per_micro_batch", a.logprob_max_tokens_per_micro_batch)):
+        if budget is not None and budget < longest:
+            out.append(f"{key}={budget} is below the longest sequence ({longest})")
     if a.ppo_epochs < 1:
         out.append(f"actor.ppo_epochs={a.ppo_epochs} must be >= 1")
     for name in ("clip_ratio_low", "clip_ratio_high"):
