@@ -38,8 +38,15 @@ COMMANDS: Mapping[str, Command] = MappingProxyType({
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    if argv and argv[0] in COMMANDS:
+        # the subcommand parses its own arguments (--help included): argparse would take them here
+        args = argparse.Namespace(run=_dispatcher(argv[0], COMMANDS[argv[0]]), argv=argv[1:])
+    elif argv[:2] == ["config", "from-verl"]:
+        args = _from_verl_args(argv[2:])  # a verl command line holds flags (-m, --config-name) of its own
+    else:
+        args = parser.parse_args(argv)
     try:
         return args.run(args) or 0
     except MegatronGRPOError as exc:
@@ -70,6 +77,64 @@ def _add_config_parser(sub: argparse._SubParsersAction) -> None:
     show.set_defaults(run=_config_show)
     keys = config.add_parser("keys", help="list every config key with its type and default")
     keys.set_defaults(run=_config_keys)
+    _from_verl_parser(config)
+    verl_keys = config.add_parser("verl-keys", help="print the verl key table (markdown, as in the README)")
+    verl_keys.set_defaults(run=_config_verl_keys)
+
+
+FROM_VERL_HELP = """\
+Translates a verl command line or YAML into a recipe here (printed as YAML on stdout; its header
+lists what changed and every verl key with no equivalent, with why). The verl arguments are taken
+as verl's examples write them: the key=value overrides alone, the whole line
+(python3 -m verl.trainer.main_ppo --config-name=... key=value ...), one quoted line with backslash
+breaks, or a verl YAML file. The recipe is validated unless --no-validate.
+  megatron-grpo config from-verl python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo ... > my.yaml
+  megatron-grpo train my.yaml
+"""
+
+
+def _from_verl_parser(config: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from_verl = config.add_parser("from-verl", help="translate a verl command line or YAML into a recipe",
+                                  description=FROM_VERL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from_verl.add_argument("--no-validate", action="store_true", help="skip the cross-field checks")
+    from_verl.add_argument("verl", nargs="+", metavar="VERL_ARG", help="verl's arguments, or a verl YAML file")
+    from_verl.set_defaults(run=_config_from_verl)
+    return from_verl
+
+
+def _from_verl_args(argv: list[str]) -> argparse.Namespace:
+    """`config from-verl` arguments: our options first, then verl's, untouched."""
+    no_validate = False
+    while argv and argv[0] in ("--no-validate", "-h", "--help"):
+        if argv[0] != "--no-validate":
+            parser = argparse.ArgumentParser(prog="megatron-grpo config")
+            _from_verl_parser(parser.add_subparsers()).print_help()
+            raise SystemExit(0)
+        no_validate, argv = True, argv[1:]
+    if not argv:
+        print("megatron-grpo config from-verl: error: give verl's arguments or a verl YAML file "
+              "(see --help)", file=sys.stderr)
+        raise SystemExit(2)
+    return argparse.Namespace(run=_config_from_verl, verl=argv, no_validate=no_validate)
+
+
+def _config_from_verl(args: argparse.Namespace) -> int:
+    from megatron_grpo.config import validate
+    from megatron_grpo.config.from_verl import config_of, read_verl, render_recipe, translate
+
+    translation = translate(read_verl(args.verl))
+    sys.stdout.write(render_recipe(translation))
+    config = config_of(translation)
+    if not args.no_validate:
+        validate(config)
+    return 0
+
+
+def _config_verl_keys(args: argparse.Namespace) -> int:
+    from megatron_grpo.config.from_verl import markdown_table
+
+    sys.stdout.write(markdown_table())
+    return 0
 
 
 def _config_show(args: argparse.Namespace) -> int:

@@ -116,3 +116,22 @@ def test_show_requires_a_recipe(capsys):
         main(["config", "show"])
     assert info.value.code == 2  # argparse's usage error
     assert "the following arguments are required: recipe" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["train"], ["eval"], ["convert"], ["export"], ["config"], ["config", "show"],
+                                     ["config", "keys"], ["config", "from-verl"], ["config", "verl-keys"]])
+def test_help_on_every_subcommand(command, capsys):
+    """`--help` reaches the subcommand's own parser (it used to be refused as an unknown argument)."""
+    for flag in ("--help", "-h"):
+        with pytest.raises(SystemExit) as info:
+            main([*command, flag])
+        assert info.value.code == 0
+        captured = capsys.readouterr()
+        assert captured.out.startswith(f"usage: megatron-grpo {' '.join(command)}"), captured
+        assert captured.err == ""
+
+
+def test_every_registered_subcommand_has_a_help_test():
+    """A subcommand added to COMMANDS joins the --help test above."""
+    tested = {c[0] for c in test_help_on_every_subcommand.pytestmark[0].args[1]}
+    assert set(COMMANDS) <= tested

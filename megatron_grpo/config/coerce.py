@@ -92,7 +92,15 @@ def suggest(key: str, section: type, root: type) -> str | None:
     return match[0] if match else None
 
 
-def unknown_key_error(key: str, section: type, root: type, where: str) -> ConfigError:
+def unknown_key_error(key: str, section: type, root: type, where: str, full_key: str | None = None) -> ConfigError:
+    """`key` is the first unknown part of `full_key` (an override's whole key, when there is one)."""
+    from megatron_grpo.config import verl_keys
+
+    # a verl key gets its meaning here, not a spelling guess
+    for candidate in dict.fromkeys(k for k in (full_key, key) if k):
+        verl = verl_keys.hint(candidate)
+        if verl:
+            return ConfigError(f"unknown key '{candidate}'{where}: {verl}")
     hint = suggest(key, section, root)
     tail = f"; did you mean '{hint}'?" if hint else ""
     return ConfigError(f"unknown key '{key}'{where}{tail}")

@@ -43,7 +43,7 @@ def field_type_at(root: type, key: str, where: str) -> Any:
             section = tp
             fields = field_types(tp)
             if part not in fields:
-                raise unknown_key_error(".".join(walked), section, root, where)
+                raise unknown_key_error(".".join(walked), section, root, where, full_key=key)
             tp = fields[part]
         elif get_origin(tp) is dict:  # free-form mapping: any key, the mapping's value type
             tp = get_args(tp)[1]
