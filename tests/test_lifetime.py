@@ -4,8 +4,9 @@ Fast tests: a reward worker in the middle of a call, and a process forked after 
 stop-signal handlers were installed (as megatron-core forks its checkpoint writers), die with a
 parent killed by SIGKILL; the forked one also takes SIGTERM instead of inheriting the trainer's
 flag-only handler. Slow test: the tiny recipe, checkpointing every step with reward workers, is
-killed with SIGKILL at 5 moments (3 random, 2 while megatron's writer processes exist); 10 s later
-no process that carries the run's environment marker (every descendant inherits it) is alive.
+killed with SIGKILL at 5 moments (3 random ones during training, 2 while megatron's checkpoint
+writer processes exist); 10 s later no process that carries the run's environment marker (every
+descendant inherits it) is alive.
 """
 from __future__ import annotations
 
@@ -178,8 +179,10 @@ def test_kill_9_of_the_trainer_leaves_no_process(tmp_path):
         trainer_cmdline = trainer.cmdline()
         started, during_save = time.monotonic(), False
         try:
-            if plan == "random":
-                time.sleep(rng.uniform(1.0, 12.0))
+            if plan == "random":  # a moment of training: once the reward workers exist, 0-8 s later
+                while not _tree(trainer, trainer_cmdline) and proc.poll() is None and time.monotonic() - started < 240:
+                    time.sleep(0.05)
+                time.sleep(rng.uniform(0.0, 8.0))
                 before = _tree(trainer, trainer_cmdline)
             else:  # kill while megatron's forked writers exist, after skipping 0-2 saves
                 skip, in_save, before = rng.randint(0, 2), False, []
