@@ -1,5 +1,6 @@
 """Which transformer-layer implementation to build: Transformer Engine's when it imports, else
-megatron-core's local modules (with our context-parallel attention when CP > 1)."""
+megatron-core's local modules with our core attention: ops.varlen_attention's (megatron's own for
+padded batches, plus packed THD sequences) at CP = 1, ops.context_parallel's when CP > 1."""
 from __future__ import annotations
 
 import copy
@@ -40,11 +41,12 @@ def layer_spec(model_config: ModelConfig, context_parallel: int = 1, backend: Ba
     if resolve_backend(backend) == "te":
         # TE's attention implements context parallelism itself.
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model_config.qk_norm)
-    spec = get_gpt_layer_local_spec(qk_layernorm=model_config.qk_norm, normalization="RMSNorm")
+    spec = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=model_config.qk_norm, normalization="RMSNorm"))
     if context_parallel > 1:
-        from megatron_grpo.ops.context_parallel import ContextParallelDotProductAttention
-
-        # megatron's local DotProductAttention asserts CP == 1; swap in ours.
-        spec = copy.deepcopy(spec)
-        spec.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention
+        # megatron's local DotProductAttention asserts CP == 1 and refuses packed sequences.
+        from megatron_grpo.ops.context_parallel import ContextParallelDotProductAttention as core_attention
+    else:
+        # megatron's DotProductAttention for padded batches, ours for packed ones.
+        from megatron_grpo.ops.varlen_attention import PackedDotProductAttention as core_attention
+    spec.submodules.self_attention.submodules.core_attention = core_attention
     return spec

@@ -10,7 +10,10 @@ megatron / TE, so batches, RoPE and losses line up with the TE path:
     the group and each rank keeps its own part), masks causally by GLOBAL positions, and
     supports GQA;
   * split_for_context_parallel / gather_from_context_parallel cut a batch for this rank and put
-    per-token outputs (log-probs, losses) back in sequence order.
+    per-token outputs (log-probs, losses) back in sequence order;
+  * packed rows (THD, PackedSeqParams) are split per sequence the same way, every sequence's
+    segment in 2*CP chunks (packed_local_positions, megatron's / TE's thd_get_partitioned_indices);
+    their attention is ops.varlen_attention.context_parallel_packed_attention.
 
 Memory is O(s_local * s) per head, fine for CPU tests and moderate lengths; TE's ring attention is
 the production path on GPUs (models/spec.py picks it when transformer_engine imports).
@@ -52,6 +55,45 @@ def split_for_context_parallel(tensor: torch.Tensor, seq_dim: int = 1, cp_rank: 
         return tensor
     index = local_positions(tensor.size(seq_dim), cp_rank, cp_size, tensor.device)
     return tensor.index_select(seq_dim, index)
+
+
+def packed_local_positions(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Positions of a packed row that CP rank `cp_rank` holds, in its local order: for every
+    segment [cu[i], cu[i+1]) (a multiple of 2*CP long) its chunks cp_rank and 2*CP-1-cp_rank."""
+    bounds = cu_seqlens_padded.tolist()
+    parts = []
+    for start, end in zip(bounds, bounds[1:]):
+        if (end - start) % (2 * cp_size):
+            raise ConfigError(f"packed segment of {end - start} tokens is not divisible by 2 * "
+                              f"context_parallel_size = {2 * cp_size}")
+        parts.append(start + local_positions(end - start, cp_rank, cp_size))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def split_packed_for_context_parallel(tensor: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_rank: int,
+                                      cp_size: int, seq_dim: int = 1) -> torch.Tensor:
+    """This CP rank's part of a packed full-row tensor ([1, T, ...] by default)."""
+    if cp_size == 1:
+        return tensor
+    index = packed_local_positions(cu_seqlens_padded, cp_rank, cp_size).to(tensor.device)
+    return tensor.index_select(seq_dim, index)
+
+
+def gather_packed_from_context_parallel(tensor: torch.Tensor, cu_seqlens_padded: torch.Tensor,
+                                        seq_dim: int = 1, group=None) -> torch.Tensor:
+    """Inverse of split_packed_for_context_parallel (every rank gets the full row in order)."""
+    if group is None:
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_context_parallel_group()
+    cp_size = dist.get_world_size(group)
+    if cp_size == 1:
+        return tensor
+    moved = tensor.movedim(seq_dim, 0)
+    gathered = all_gather_sequence(moved, group)
+    positions = torch.cat([packed_local_positions(cu_seqlens_padded, r, cp_size) for r in range(cp_size)])
+    order = torch.argsort(positions).to(gathered.device)
+    return gathered.index_select(0, order).movedim(0, seq_dim)
 
 
 class _AllGatherSequence(torch.autograd.Function):
@@ -134,10 +176,19 @@ class ContextParallelDotProductAttention(_core_attention_base()):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("context-parallel attention: packed sequences and attention bias "
-                                      "need Transformer Engine")
+        if attention_bias is not None:
+            raise NotImplementedError("context-parallel attention: attention bias needs Transformer Engine")
         from megatron.core import tensor_parallel
+
+        from megatron_grpo.ops.varlen_attention import attention_dropout, context_parallel_packed_attention, is_thd
+
+        if is_thd(packed_seq_params):
+            # megatron's attention squeezed THD inputs to [t, heads, d] (batch dimension 1)
+            context = context_parallel_packed_attention(query, key, value, packed_seq_params, self.softmax_scale,
+                                                        self.cp_group, attention_dropout(self, self.dropout))
+            return context.reshape(context.size(0), self.heads * query.size(-1))
+        if packed_seq_params is not None:
+            raise NotImplementedError(f"context-parallel attention: qkv_format {packed_seq_params.qkv_format!r}")
 
         cp_rank, cp_size = dist.get_rank(self.cp_group), dist.get_world_size(self.cp_group)
         sq = query.size(0)

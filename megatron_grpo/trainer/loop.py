@@ -1,8 +1,8 @@
 """The GRPO training loop, top to bottom (DESIGN.md "one step"):
 
     prompts -> rollout (n per prompt, with log-probs) -> rewards -> group advantages (+ DAPO filter)
-    -> scatter to data-parallel ranks, token-balanced micro-batches
-    -> old / reference log-probs (only when needed) -> ppo_epochs x mini-batch updates
+    -> old / reference log-probs (only when needed) on this data-parallel rank's share
+    -> packed, token-balanced micro-batches -> ppo_epochs x mini-batch updates
     -> weight sync to the rollout engine -> metrics -> eval
 """
 from __future__ import annotations
@@ -23,11 +23,11 @@ from megatron_grpo.trainer.batching import MicroBatch
 from megatron_grpo.trainer.flops import peak_flops_per_device, training_flops
 from megatron_grpo.trainer.checkpoint import Checkpointer
 from megatron_grpo.trainer.metrics import MetricsLogger, NullLogger, SinkOptions, plot_reward_curve
-from megatron_grpo.trainer.micro_batches import plan_micro_batches
+from megatron_grpo.trainer.micro_batches import padding_metrics, plan_micro_batches
 from megatron_grpo.trainer.rollout_phase import RolloutSettings, collect_rollout_batch
 from megatron_grpo.trainer.setup import Run, build_run, old_logprobs_needed
 from megatron_grpo.trainer.signals import StopSignals
-from megatron_grpo.trainer.train_step import compute_logprobs, train_on_mini_batch
+from megatron_grpo.trainer.train_step import fill_logprobs, train_on_mini_batch
 from megatron_grpo.trainer.weight_sync import sync_weights
 
 
@@ -93,19 +93,21 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
         run.engine.release_memory()  # colocated: give the GPU to training; resumed by the weight sync
     metrics = dict(batch.metrics)
 
-    # 2. this data-parallel rank's share, as micro-batches per mini-batch.
-    mini_batches = plan_micro_batches(batch.samples, cfg)
-
-    # 3. old / reference log-probs (forward only, same micro-batches as the update).
+    # 2. old / reference log-probs (forward only, each pass with its own token budget) on the
+    # samples of this data-parallel rank's share.
     with timer("logprob"):
         if old_logprobs_needed(cfg):
             # Until the first update the policy is the one that sampled, so with one epoch the
             # first mini-batch uses its own detached log-probs as "old"; only later ones need a pass.
             first_needing_pass = 1 if cfg.actor.ppo_epochs == 1 else 0
-            _fill_logprobs(run, run.policy, mini_batches[first_needing_pass:], "old_logprobs")
+            _fill_logprobs(run, run.policy, batch.samples, "old_logprobs", skip_mini_batches=first_needing_pass)
         if run.reference is not None:
             with _on_device(run.reference, run.device, offloaded=cfg.ref.param_offload):
-                _fill_logprobs(run, run.reference, mini_batches, "ref_logprobs")
+                _fill_logprobs(run, run.reference, batch.samples, "ref_logprobs")
+
+    # 3. this rank's share as micro-batches per mini-batch (packed by default).
+    mini_batches = plan_micro_batches(batch.samples, cfg, model_config=run.model_config)
+    metrics.update(padding_metrics(mini_batches))
 
     # 4. ppo_epochs x mini-batch updates.
     loss_config = grpo_loss_config(cfg)
@@ -179,13 +181,9 @@ def global_batch_info(micro_batches: list[MicroBatch], cfg: Config) -> GlobalBat
                            framework_loss_divisor=len(micro_batches) / cp)
 
 
-def _fill_logprobs(run: Run, model_chunks, mini_batches: list[list[MicroBatch]], name: str) -> None:
-    for micro_batches in mini_batches:
-        logprobs = compute_logprobs(model_chunks, micro_batches, temperature=run.config.rollout.temperature,
-                                    vocab_size=run.model_config.vocab_size, device=run.device)
-        if logprobs is not None:  # last pipeline stage: the loss is computed there
-            for micro_batch, values in zip(micro_batches, logprobs):
-                micro_batch.per_token[name] = values
+def _fill_logprobs(run: Run, model_chunks, samples, name: str, skip_mini_batches: int = 0) -> None:
+    fill_logprobs(model_chunks, samples, run.config, name, model_config=run.model_config,
+                  temperature=run.config.rollout.temperature, device=run.device, skip_mini_batches=skip_mini_batches)
 
 
 def _mean_over_updates(updates: list[dict[str, float]]) -> dict[str, float]:

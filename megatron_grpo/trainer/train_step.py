@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megatron_grpo.algo import GlobalBatchInfo, GRPOLossConfig, compute_grpo_loss
 from megatron_grpo.ops.vocab_parallel import vocab_parallel_logprobs_and_entropy
-from megatron_grpo.trainer.batching import MicroBatch
+from megatron_grpo.trainer.batching import MicroBatch, TrainSample
 
 # Metrics reduced with MAX instead of SUM over micro-batches and ranks.
 MAX_METRICS = ("actor/ratio_max_abs_dev", "actor/logprob_abs_diff_max")
@@ -28,20 +28,29 @@ MAX_METRICS = ("actor/ratio_max_abs_dev", "actor/logprob_abs_diff_max")
 class StepGeometry:
     """What megatron's schedule needs to know about the micro-batches of one call."""
 
-    seq_length: int
+    seq_length: int  # full sequence (megatron divides by CP, and by TP under sequence parallelism)
     micro_batch_size: int
 
 
 def _geometry(micro_batches: list[MicroBatch]) -> StepGeometry:
     # Micro-batches may differ in shape; megatron only uses these for PP p2p buffer shapes, so
-    # PP runs pad every micro-batch to one shape (see pad_micro_batches_to_common_shape).
+    # PP runs give every micro-batch one shape (micro_batches.plan).
     first = micro_batches[0]
-    return StepGeometry(seq_length=first.tokens.shape[1], micro_batch_size=first.tokens.shape[0])
+    if first.packed is not None:
+        return StepGeometry(seq_length=first.packed.total_length, micro_batch_size=1)
+    return StepGeometry(seq_length=first.processed_tokens // first.tokens.shape[0],
+                        micro_batch_size=first.tokens.shape[0])
 
 
 def _forward_step(loss_func, data_iterator, model):
     micro_batch: MicroBatch = next(data_iterator)
-    output = model(micro_batch.tokens, micro_batch.position_ids, None)
+    if micro_batch.packed is None:
+        output = model(micro_batch.tokens, micro_batch.position_ids, None)
+    else:
+        from megatron.core import parallel_state
+
+        params = micro_batch.packed.packed_seq_params(parallel_state.get_context_parallel_world_size())
+        output = model(micro_batch.tokens, micro_batch.position_ids, None, packed_seq_params=params)
     return output, partial(loss_func, micro_batch)
 
 
@@ -49,7 +58,8 @@ def _to_device(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:
     if device.type == "cpu":
         return micro_batch
     moved = micro_batch.map_positions(lambda tensor: tensor.to(device))
-    return dataclasses.replace(moved, row_token_counts=micro_batch.row_token_counts.to(device))
+    return dataclasses.replace(moved, row_token_counts=micro_batch.row_token_counts.to(device),
+                               packed=None if micro_batch.packed is None else micro_batch.packed.to(device))
 
 
 def _run_schedule(model_chunks, micro_batches: list[MicroBatch], loss_func, forward_only: bool, device):
@@ -71,8 +81,9 @@ def _run_schedule(model_chunks, micro_batches: list[MicroBatch], loss_func, forw
 
 def compute_logprobs(model_chunks, micro_batches: list[MicroBatch], *, temperature: float, vocab_size: int,
                      device: torch.device) -> list[torch.Tensor] | None:
-    """Forward-only pass; returns per-position log-probs [b, s] per micro-batch (0 outside the
-    loss mask) on the last pipeline stage, None on other stages."""
+    """Forward-only pass; returns per-position log-probs per micro-batch, in its layout ([b, s]
+    padded, [1, T] packed; this CP rank's positions; 0 outside the loss mask) on the last pipeline
+    stage, None on other stages."""
     from megatron.core import parallel_state
 
     def loss_func(micro_batch: MicroBatch, logits: torch.Tensor):
@@ -85,6 +96,49 @@ def compute_logprobs(model_chunks, micro_batches: list[MicroBatch], *, temperatu
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return [out["logprobs"] for out in outputs]
+
+
+def response_logprobs(micro_batches: list[MicroBatch], logprobs: list[torch.Tensor], samples: list[TrainSample],
+                      device: torch.device) -> dict[int, list[float]]:
+    """compute_logprobs' output as {sample index: one log-prob per response token}; under context
+    parallelism each micro-batch's values are first gathered over the CP group (collective)."""
+    from megatron.core import parallel_state
+
+    from megatron_grpo.ops.context_parallel import gather_from_context_parallel, gather_packed_from_context_parallel
+
+    context_parallel = parallel_state.get_context_parallel_world_size() > 1
+    out: dict[int, list[float]] = {}
+    for micro_batch, values in zip(micro_batches, logprobs):
+        if context_parallel:
+            local = values.to(device)
+            full = (gather_from_context_parallel(local) if micro_batch.packed is None else
+                    gather_packed_from_context_parallel(local, micro_batch.packed.cu_seqlens_padded))
+            values = full.cpu()
+        flat = values.reshape(-1)
+        for index, start in zip(micro_batch.sample_indices, micro_batch.sequence_starts()):
+            sample = samples[index]
+            first = start + len(sample.prompt_ids) - 1  # where the first response token is predicted
+            out[index] = flat[first:first + len(sample.response_ids)].tolist()
+    return out
+
+
+def fill_logprobs(model_chunks, samples: list[TrainSample], cfg, name: str, *, model_config, temperature: float,
+                  device: torch.device, skip_mini_batches: int = 0) -> None:
+    """Sets samples[i].<name> ("old_logprobs" / "ref_logprobs") for this rank's samples on the last
+    pipeline stage: a forward-only pass over micro-batches planned with the pass's own token
+    budget (micro_batches.MicroBatching.from_config), from mini-batch `skip_mini_batches` on."""
+    from megatron_grpo.trainer.micro_batches import plan_micro_batches
+
+    plan = plan_micro_batches(samples, cfg, purpose=name, model_config=model_config,
+                              skip_mini_batches=skip_mini_batches)
+    for micro_batches in plan:
+        logprobs = compute_logprobs(model_chunks, micro_batches, temperature=temperature,
+                                    vocab_size=model_config.vocab_size, device=device)
+        if logprobs is None:  # not the last pipeline stage: the loss is computed there
+            continue
+        with torch.no_grad():
+            for index, values in response_logprobs(micro_batches, logprobs, samples, device).items():
+                setattr(samples[index], name, values)
 
 
 def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch], *, loss_config: GRPOLossConfig,
@@ -102,22 +156,26 @@ def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch]
     optimizer.zero_grad()
 
     def loss_func(micro_batch: MicroBatch, logits: torch.Tensor):
-        mask = micro_batch.loss_mask
         logp, entropy = vocab_parallel_logprobs_and_entropy(logits, micro_batch.targets, temperature=temperature,
-                                                            vocab_size=vocab_size, ignore_mask=~mask)
+                                                            vocab_size=vocab_size, ignore_mask=~micro_batch.loss_mask)
+        # The loss sees one row per sequence in either layout (packed rows are unpacked here:
+        # per-token values only, so sequence-level terms see the padded layout's rows).
+        rows = micro_batch.rows
+        logp, entropy, mask = rows(logp), rows(entropy), rows(micro_batch.loss_mask)
+        per_token = {name: rows(values) for name, values in micro_batch.per_token.items()}
         # One on-policy update per rollout: old == current (detached), so the ratio is exactly 1.
-        old = micro_batch.per_token.get("old_logprobs", logp.detach())
+        old = per_token.get("old_logprobs", logp.detach())
         output = compute_grpo_loss(
-            logp, old, micro_batch.advantages, mask, batch_info, loss_config,
-            ref_log_prob=micro_batch.per_token.get("ref_logprobs"),
+            logp, old, rows(micro_batch.advantages), mask, batch_info, loss_config,
+            ref_log_prob=per_token.get("ref_logprobs"),
             entropy=entropy if need_entropy else None,
-            rollout_log_prob=micro_batch.per_token.get("rollout_logprobs") if loss_config.policy_loss_config.tis_cap else None,
+            rollout_log_prob=per_token.get("rollout_logprobs") if loss_config.policy_loss_config.tis_cap else None,
             seq_token_counts=micro_batch.row_token_counts)
         metrics = {"actor/loss": output.share, **output.metrics}
         zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
         metrics["actor/ratio_max_abs_dev"] = torch.where(mask, (logp.detach() - old).exp() - 1, zero).abs().max()
-        if "rollout_logprobs" in micro_batch.per_token:
-            diff = torch.where(mask, logp.detach() - micro_batch.per_token["rollout_logprobs"], zero).abs()
+        if "rollout_logprobs" in per_token:
+            diff = torch.where(mask, logp.detach() - per_token["rollout_logprobs"], zero).abs()
             metrics["actor/logprob_abs_diff_mean"] = diff.sum() / max(batch_info.num_valid_tokens, 1)
             metrics["actor/logprob_abs_diff_max"] = diff.max()
         return output.loss, {k: v.detach().float().cpu() for k, v in metrics.items()}

@@ -1,0 +1,181 @@
+"""Variable-length causal attention over packed sequences (megatron's "thd" layout) for
+megatron-core's local layer spec, with and without context parallelism.
+
+megatron's local DotProductAttention refuses PackedSeqParams (only Transformer Engine's attention
+takes them). Here every sequence of a packed row attends only to itself, causally, so a packed
+micro-batch computes what the padded one computes for each sequence, and its cost is
+sum_i len_i^2 rather than rows x longest^2:
+
+  * CP = 1 (`packed_causal_attention`): segment i of the row is [cu_padded[i], cu_padded[i+1]);
+    its first len_i = cu[i+1] - cu[i] tokens attend causally among themselves, the padding after
+    them gets zeros (as Transformer Engine leaves it).
+  * CP > 1 (`context_parallel_packed_attention`): as megatron / Transformer Engine split THD
+    batches (tex.thd_get_partitioned_indices), every segment is cut into 2*CP chunks and CP rank r
+    holds chunks r and 2*CP-1-r of each one (load balance for causal attention, per sequence). K
+    and V are all-gathered over the CP group (backward: summed and scattered back, see
+    ops.context_parallel.all_gather_sequence); each local query sees the keys of its own sequence
+    up to its own global position.
+
+Attention runs sequence by sequence on [heads, len, len] scores in fp32 (softmax in fp32, as
+megatron's attention_softmax_in_fp32), so memory is O(len^2) per sequence, never O(T^2).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.errors import ConfigError
+
+Dropout = Optional[Callable[[torch.Tensor], torch.Tensor]]
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_pos: torch.Tensor,
+                     k_pos: torch.Tensor, scale: float, dropout: Dropout = None) -> torch.Tensor:
+    """query [sq, h, d], key / value [sk, g, d] (GQA: h a multiple of g) -> [sq, h, d]; query i
+    attends to key j where k_pos[j] <= q_pos[i]."""
+    heads, groups = query.size(1), key.size(1)
+    if heads != groups:
+        key = key.repeat_interleave(heads // groups, dim=1)
+        value = value.repeat_interleave(heads // groups, dim=1)
+    scores = torch.matmul(query.float().transpose(0, 1), key.float().permute(1, 2, 0)) * scale  # [h, sq, sk]
+    scores = scores.masked_fill(k_pos.unsqueeze(0) > q_pos.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    if dropout is not None:
+        probs = dropout(probs)
+    return torch.matmul(probs, value.transpose(0, 1)).transpose(0, 1)  # [sq, h, d]
+
+
+def _bounds(packed_seq_params) -> tuple[list[int], list[int]]:
+    """(real lengths, padded segment bounds) of a PackedSeqParams."""
+    cu = packed_seq_params.cu_seqlens_q
+    padded = packed_seq_params.cu_seqlens_q_padded
+    padded = cu if padded is None else padded
+    cu, padded = cu.tolist(), padded.tolist()
+    return [b - a for a, b in zip(cu, cu[1:])], padded
+
+
+def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed_seq_params,
+                            scale: float, dropout: Dropout = None) -> torch.Tensor:
+    """CP = 1. query [T, h, d], key / value [T, g, d] -> [T, h, d] (zeros on padding)."""
+    lengths, bounds = _bounds(packed_seq_params)
+    if bounds[-1] != query.size(0):
+        raise ValueError(f"packed attention: cu_seqlens end at {bounds[-1]} but the row has {query.size(0)} tokens")
+    pieces = []
+    for length, start, end in zip(lengths, bounds, bounds[1:]):
+        if length:
+            pos = torch.arange(length, device=query.device)
+            span = slice(start, start + length)
+            pieces.append(causal_attention(query[span], key[span], value[span], pos, pos, scale, dropout))
+        if end - start - length:
+            pieces.append(query.new_zeros(end - start - length, query.size(1), query.size(2)))
+    return torch.cat(pieces, dim=0)
+
+
+def _chunk_positions(segment: int, cp_rank: int, cp_size: int, device) -> torch.Tensor:
+    """Positions within a segment of the two chunks CP rank `cp_rank` holds, in its local order."""
+    chunk = segment // (2 * cp_size)
+    starts = (cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk)
+    return torch.cat([torch.arange(s, s + chunk, device=device) for s in starts])
+
+
+def _gathered_key_index(num_keys: int, local_start: int, local_rows: int, segment: int, cp_size: int,
+                        device) -> torch.Tensor:
+    """Where positions 0..num_keys-1 of one segment lie in the rank-ordered all-gather of the
+    local rows (rank s's rows at s * local_rows; its part of the segment at local_start)."""
+    chunk = segment // (2 * cp_size)
+    pos = torch.arange(num_keys, device=device)
+    index = pos // chunk
+    early = index < cp_size
+    owner = torch.where(early, index, 2 * cp_size - 1 - index)
+    offset = pos % chunk + torch.where(early, 0, chunk)
+    return owner * local_rows + local_start + offset
+
+
+def context_parallel_packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                      packed_seq_params, scale: float, cp_group,
+                                      dropout: Dropout = None) -> torch.Tensor:
+    """CP > 1. query [T/cp, h, d], key / value [T/cp, g, d]: this rank's chunks of every segment
+    (segment lengths multiples of 2*CP); returns [T/cp, h, d]."""
+    from megatron_grpo.ops.context_parallel import all_gather_sequence
+
+    cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
+    lengths, bounds = _bounds(packed_seq_params)
+    local_rows = query.size(0)
+    if bounds[-1] != local_rows * cp_size:
+        raise ValueError(f"packed attention: cu_seqlens end at {bounds[-1]} but the CP ranks hold "
+                         f"{cp_size} x {local_rows} tokens")
+    keys = all_gather_sequence(key, cp_group)      # [cp * T/cp, g, d], rank order
+    values = all_gather_sequence(value, cp_group)
+    pieces = []
+    for length, start, end in zip(lengths, bounds, bounds[1:]):
+        segment = end - start
+        if segment % (2 * cp_size):
+            raise ConfigError(f"packed sequence segment of {segment} tokens is not divisible by 2 * "
+                              f"context_parallel_size = {2 * cp_size}")
+        local = slice(start // cp_size, end // cp_size)
+        if not length:
+            pieces.append(query.new_zeros(segment // cp_size, query.size(1), query.size(2)))
+            continue
+        q_pos = _chunk_positions(segment, cp_rank, cp_size, query.device)
+        # Keys a local query can see: the sequence's real tokens up to the last local position.
+        num_keys = min(length, int(q_pos.max()) + 1)
+        index = _gathered_key_index(num_keys, start // cp_size, local_rows, segment, cp_size, query.device)
+        k_pos = torch.arange(num_keys, device=query.device)
+        pieces.append(causal_attention(query[local], keys.index_select(0, index), values.index_select(0, index),
+                                       q_pos, k_pos, scale, dropout))
+    return torch.cat(pieces, dim=0)
+
+
+def check_packed_supported(config, attn_mask_type) -> None:
+    """The variants the packed kernels implement (causal, no window, vanilla softmax)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+        raise ConfigError(f"packed attention supports causal masks only, got {attn_mask_type}")
+    if config.window_size is not None or config.softmax_type != "vanilla":
+        raise ConfigError("packed attention: sliding windows / softmax offsets are not supported")
+
+
+def is_thd(packed_seq_params) -> bool:
+    return packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+
+
+def attention_dropout(module, probs_dropout: torch.nn.Dropout) -> Dropout:
+    """megatron's attention dropout (under the model-parallel RNG tracker unless sequence
+    parallel, as DotProductAttention does), or None when inactive."""
+    if not (module.training and probs_dropout.p > 0):
+        return None
+    if module.config.sequence_parallel:
+        return probs_dropout
+    from megatron.core import tensor_parallel
+
+    def apply(probs: torch.Tensor) -> torch.Tensor:
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return probs_dropout(probs)
+    return apply
+
+
+def _dot_product_attention_base():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return DotProductAttention
+
+
+class PackedDotProductAttention(_dot_product_attention_base()):
+    """megatron's local DotProductAttention (CP = 1) that also takes packed sequences
+    (PackedSeqParams, qkv_format "thd"); padded batches take megatron's own code unchanged."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if not is_thd(packed_seq_params):
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        if attention_bias is not None:
+            raise NotImplementedError("packed attention: attention bias is not supported")
+        check_packed_supported(self.config, self.attn_mask_type)
+        # megatron's attention squeezed THD inputs to [t, heads, d] (batch dimension 1)
+        context = packed_causal_attention(query, key, value, packed_seq_params, self.softmax_scale,
+                                          attention_dropout(self, self.attention_dropout))
+        return context.reshape(context.size(0), self.hidden_size_per_partition)
