@@ -112,6 +112,24 @@ def test_forked_child_takes_sigterm_and_dies_with_killed_parent(tmp_path):
             parent.kill()
 
 
+def test_exec_child_with_preexec_hook_dies_with_killed_parent(tmp_path):
+    parent = _start("""
+        import signal, subprocess, time
+        from megatron_grpo.launch.lifetime import preexec_die_with_parent
+        child = subprocess.Popen(["sleep", "120"], preexec_fn=preexec_die_with_parent(signal.SIGTERM))
+        print(child.pid, flush=True)
+        time.sleep(120)
+    """, tmp_path)
+    child = int(parent.stdout.readline())
+    try:
+        assert _alive(child)
+        parent.kill()
+        parent.wait()
+        assert _wait_gone([child]) == [], "a program started with preexec_die_with_parent outlived its parent"
+    finally:
+        _kill_leftovers([child])
+
+
 # ----------------------------------------------------------------------------- kill -9 the trainer
 
 
