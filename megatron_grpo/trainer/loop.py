@@ -28,7 +28,7 @@ from megatron_grpo.trainer.rollout_phase import RolloutSettings, collect_rollout
 from megatron_grpo.trainer.setup import Run, build_run, old_logprobs_needed
 from megatron_grpo.trainer.signals import StopSignals
 from megatron_grpo.trainer.train_step import fill_logprobs, train_on_mini_batch
-from megatron_grpo.trainer.weight_sync import sync_weights
+from megatron_grpo.trainer.weight_sync import ensure_engine_holds_the_start, sync_weights
 
 
 def train(cfg: Config) -> Path:
@@ -39,6 +39,8 @@ def train(cfg: Config) -> Path:
     logger = NullLogger()
     try:
         start = checkpoints.resume()  # newest complete checkpoint (checkpoint.resume); 0 = fresh
+        if start == 0:
+            ensure_engine_holds_the_start(run)
         if run.is_main:
             logger = MetricsLogger(SinkOptions(output_dir=str(out), console=cfg.logging.console,
                                                tensorboard=cfg.logging.tensorboard,

@@ -49,6 +49,7 @@ class SGLangEngine(RolloutEngine):
         self._version = 0
         self._syncs = 0
         self._released: set[str] = set()  # SGLang raises (and dies) on resuming a tag it has not released
+        self._push_failed = False
         self.prober = HealthProber(self.pool, options.health_check_interval_s,
                                    enabled=lambda: not self._released).start()
         self.last_sync: SyncStats | None = None
@@ -76,8 +77,9 @@ class SGLangEngine(RolloutEngine):
         with self.prober.paused():
             restarted = self.pool.recover(probe=not self._released)
             alive = self.pool.alive_targets
-            if restarted or alive != list(self.transport.targets):
-                self.transport.set_targets(alive)
+            if restarted or self._push_failed or alive != list(self.transport.targets):
+                self.transport.set_targets(alive)  # (a distributed group is rebuilt)
+                self._push_failed = False
             # Colocated wake-up in two stages: weight memory before the push, the rest after it, so
             # the trainer's buffers and the KV cache never need GPU memory at the same time.
             if "weights" in self._released:
@@ -85,7 +87,11 @@ class SGLangEngine(RolloutEngine):
             verify = self._verification_due()
             sample = WeightSample(tp_size=max(t.tp_size for t in alive)) if verify else None
             stream = sample.tap(named_tensors) if sample else named_tensors
-            self.last_sync = update_weights(self.client, self.transport, stream, version)
+            try:
+                self.last_sync = update_weights(self.client, self.transport, stream, version)
+            except SGLangError:
+                self._push_failed = True  # e.g. an engine died mid-broadcast: its group is unusable
+                raise
             self._version = int(version)
             self._syncs += 1
             if self._released:

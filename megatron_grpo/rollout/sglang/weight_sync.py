@@ -294,16 +294,28 @@ def update_weights(client: SGLangClient, transport: WeightTransport, named_tenso
             stats = transport.push(named_tensors, version)
         for url in urls:
             flush_cache(client, url)
-    finally:
-        client.call_all("/continue_generation", {}, urls=urls)
+    except BaseException:
+        _continue_best_effort(client, urls)  # the update's own error is the one that matters
+        raise
+    client.call_all("/continue_generation", {}, urls=urls)
     return stats
 
 
 def _end_session_best_effort(client: SGLangClient, urls: list[str]) -> None:
     """After a failed push: close the session where the engine still answers, so that the next
-    update can begin one (the push's own error is the one that matters)."""
+    update can begin one."""
     for url in urls:
         try:
             client.call(url, "/end_weight_update", {}, retry=RetryPolicy(max_attempts=1), timeout_s=30.0)
+        except SGLangError:
+            pass
+
+
+def _continue_best_effort(client: SGLangClient, urls: list[str]) -> None:
+    """After a failed update: continue_generation on every engine that still answers (one that
+    died is the engine pool's business)."""
+    for url in urls:
+        try:
+            client.call(url, "/continue_generation", {}, retry=RetryPolicy(max_attempts=1), timeout_s=30.0)
         except SGLangError:
             pass
