@@ -10,7 +10,6 @@ live worker)."""
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from megatron_grpo.launch.lifetime import preexec_die_with_parent
 from megatron_grpo.rollout.sglang.errors import SGLangError
 from megatron_grpo.rollout.sglang.http_json import request_json
 
@@ -78,12 +78,6 @@ def router_command(settings: RouterSettings, worker_urls: Sequence[str]) -> list
             str(settings.port), "--policy", settings.policy, "--worker-urls", *worker_urls, *settings.extra_args]
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class ManagedProcess:
     name: str
@@ -124,8 +118,10 @@ class SGLangLauncher:
         with open(log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
+            # SIGTERM when the launching thread dies (also on kill -9 of the trainer): SGLang's
+            # handler then stops its scheduler and detokenizer too.
             process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
-                                       start_new_session=True, preexec_fn=_die_with_parent)
+                                       start_new_session=True, preexec_fn=preexec_die_with_parent(signal.SIGTERM))
         managed = ManagedProcess(name, url, process, log_path, cmd, ready_path)
         self.processes.append(managed)
         return managed
