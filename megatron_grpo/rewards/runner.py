@@ -85,6 +85,7 @@ class RewardRunner:
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s
         self._context = multiprocessing.get_context("spawn")
+        self.signature, self.max_error_frac = signature, max_error_frac  # reward.signature / max_error_frac
         self._failures = FailureReport(self.spec, max_error_frac)
         self._workers: list[_Worker] = [self._start_worker() for _ in range(num_workers)]
         self.workers_replaced = 0  # how many workers were killed (timeout) or died
