@@ -13,6 +13,7 @@ bash scripts/install_test_deps.sh
 # SGLang 0.5.23's own code (--no-deps) and the sglang-router binary for tests/sglang_harness.
 bash scripts/setup_sglang_venv.sh
 export MEGATRON_GRPO_REQUIRE_SGLANG=1  # the SGLang tests fail, not skip, if that venv is missing
+export SLURM_LOCAL_OWNER_PID=$$  # the local Slurm stops with this script, even if it is killed
 bash scripts/start_local_slurm.sh || echo "local Slurm not started: the Slurm tests will skip"
 trap 'bash scripts/stop_local_slurm.sh >/dev/null 2>&1 || true' EXIT
 .venv/bin/python -m pytest "$@"

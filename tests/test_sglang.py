@@ -96,6 +96,36 @@ def test_unreachable_servers_give_one_error_naming_them():
     client.close()
 
 
+def _join_weight_group(rank: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    from megatron_grpo.rollout.sglang.process_group import destroy_process_group, init_custom_process_group
+
+    if rank == 0:
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # what torchrun sets in the trainer
+    group = init_custom_process_group("gloo", "127.0.0.1", port, rank, 2, "test-group", timeout_s=20)
+    tensor = torch.tensor([float(rank == 0)])
+    dist.broadcast(tensor, group_src=0, group=group)
+    queue.put((rank, float(tensor)))
+    destroy_process_group(group)
+
+
+def test_weight_update_group_forms_under_torchrun():
+    """was: c10d.rendezvous made the trainer a store client under torchrun (agent store), so the
+    weight-update group never formed (timeout)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_join_weight_group, args=(rank, port, queue)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert sorted(queue.get(timeout=5) for _ in range(2)) == [(0, 1.0), (1, 1.0)]
+
+
 # ----- against SGLang's code ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

@@ -2,6 +2,7 @@
 command line stays exactly SGLang's):
 
     HARNESS_DIE_ON_GENERATE=N     the process exits hard (os._exit) at the N-th /generate request
+                                  (health probes not counted)
     HARNESS_FORWARD_DELAY_S=S     sleep S seconds before every forward pass (slows generation)
 """
 from __future__ import annotations

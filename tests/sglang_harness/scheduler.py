@@ -311,8 +311,8 @@ class CpuScheduler:
 
         if self.tp_rank != 0:
             return  # only rank 0 decodes (SGLang's ranks would each run their shard of the batch)
-        self.generate_count += 1
-        if not _is_health_check(recv_req):
+        if not _is_health_check(recv_req):  # faults count the clients' requests, not probes
+            self.generate_count += 1
             self.faults.on_generate(self.generate_count)
         req = Req(recv_req.rid, recv_req.input_text, recv_req.input_ids, recv_req.sampling_params,
                   return_logprob=recv_req.return_logprob, top_logprobs_num=recv_req.top_logprobs_num,
