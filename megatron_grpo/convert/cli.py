@@ -10,7 +10,6 @@ any TP / PP / DP / CP, loading only the model part.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -125,31 +124,29 @@ def _check_output(out: Path, force: bool) -> None:
 
 
 class _Distributed:
-    """torch.distributed for the tool: torchrun's env when present, else a 1-process gloo group."""
+    """torch.distributed for the tool: torchrun's / srun's / mpirun's ranks when present, else one
+    process (launch.init_distributed: port 0, no race for a free port); ends through
+    launch.distributed.shutdown, which also waits for gloo's workers (no abort at exit)."""
 
     def __enter__(self):
         import torch.distributed as dist
 
+        from megatron_grpo.launch.distributed import init_distributed
+
         self.owned = not dist.is_initialized()
         if self.owned:
-            if "WORLD_SIZE" not in os.environ:
-                from megatron_grpo.launch.env import free_port
-
-                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend)
+            init_distributed()
         return dist
 
-    def __exit__(self, *exc):
-        import torch.distributed as dist
+    def __exit__(self, exc_type, *exc):
         from megatron.core import parallel_state
 
-        if parallel_state.model_parallel_is_initialized():
+        from megatron_grpo.launch.distributed import shutdown
+
+        if self.owned:
+            shutdown(failed=exc_type is not None)
+        elif parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        if self.owned and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _layout_for(dist, tp: int, pp: int):

@@ -31,7 +31,6 @@ torchvision_stub.install()
 
 import logging  # noqa: E402
 import signal  # noqa: E402
-import time  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any  # noqa: E402
 
