@@ -18,7 +18,7 @@ from megatron_grpo.cli import main
 from megatron_grpo.config import load_config, validate
 from megatron_grpo.config.coerce import all_keys
 from megatron_grpo.config.from_verl import (config_of, markdown_table, parse_command_line, parse_value,
-                                            read_verl, render_recipe, translate)
+                                            render_recipe, translate)
 from megatron_grpo.config.schema import Config
 from megatron_grpo.config.verl_keys import TABLE, hint, lookup
 
