@@ -74,12 +74,43 @@ def test_bench_gpu_dry_run_prints_every_section(tmp_path):
     out = tmp_path / "gpu.json"
     proc = _run(str(BENCH / "bench_gpu.py"), "--dry-run", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for section in ("| train step |", "| log-prob kernels |", "| local engine generation |"):
+    for section in ("| train step |", "| log-prob kernels |", "| log-prob peak memory |",
+                    "| local engine generation |"):
         assert section in proc.stdout
-    raw = json.loads(out.read_text())["raw"]
+    data = json.loads(out.read_text())
+    raw = data["raw"]
     assert raw["train"]["tflops"] > 0 and raw["train"]["tokens"] == 2 * 2 * 16
     assert raw["logprob"]["logprobs+entropy fwd+bwd"]["tbps"] > 0
     assert raw["generation"]["generated"] == 2 * 2 * 4  # EOS disabled: every row decodes all tokens
+    assert set(raw["memory"]) == {"a", "cH", "ratio"} and raw["memory"]["a"]["logits_bytes"] == 64 * 2048 * 2
+    # no CUDA peak in a CPU dry run: MFU is not judged; the other targets are, from their measured values
+    assert raw["targets"]["train_mfu"]["met"] is None
+    assert raw["targets"]["logprob_fwd_bwd_vs_copy"]["value"] > 0
+    assert "errors" not in raw and "running" not in raw
+    assert [r["section"] for r in data["rows"]].count("log-prob peak memory") == 2
+
+
+def test_bench_gpu_failing_section_leaves_the_others(tmp_path, monkeypatch):
+    """One section raising is named in raw["errors"]; the sections after it still run and report."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(bench_gpu, "bench_logprob", broken)
+    out = tmp_path / "gpu.json"
+    code = bench_gpu.main(["--dry-run", "--only", "logprob", "--only", "memory", "--json", str(out)])
+    assert code == 1
+    data = json.loads(out.read_text())
+    assert data["raw"]["errors"] == {"logprob": "RuntimeError: CUDA out of memory"}
+    assert data["raw"]["memory"]["a"]["logits_bytes"] == 64 * 2048 * 2
+    assert ["log-prob kernels", "log-prob peak memory", "log-prob peak memory"] == [r["section"] for r in data["rows"]]
+
+
+def test_bench_gpu_targets_are_the_issues():
+    raw = {}
+    assert bench_gpu.target_verdict("train_mfu", 0.46, raw) == (">= 45%", "met")
+    assert bench_gpu.target_verdict("logprob_fwd_bwd_vs_copy", 0.69, raw) == (">= 70%", "not met")
+    assert bench_gpu.target_verdict("logprob_memory_vs_dense", 0.2, raw) == ("<= 0.25x", "met")
+    assert raw["targets"]["logprob_fwd_bwd_vs_copy"] == dict(value=0.69, target=">= 0.7", met=False)
 
 
 def test_train_flops_per_token_matches_hand_count():

@@ -279,7 +279,9 @@ def _engine_vs_trainer(rank, world_size, folder):
     mc = ModelConfig.from_hf(folder)
     g = GENERATION[device.type]
     gen = torch.Generator().manual_seed(5)
-    requests = [GenerationRequest(torch.randint(mc.vocab_size, (g["prompt_length"],), generator=gen).tolist(),
+    # prompts of 4 lengths: the engine left-pads them (mask + positions), the trainer right-pads
+    lengths = [g["prompt_length"] - (i % 4) * max(1, g["prompt_length"] // 8) for i in range(g["prompts"])]
+    requests = [GenerationRequest(torch.randint(mc.vocab_size, (lengths[i],), generator=gen).tolist(),
                                   SamplingParams(n=g["n"], temperature=1.0, max_new_tokens=g["new_tokens"], seed=i),
                                   group_id=str(i)) for i in range(g["prompts"])]
     figures = {}
@@ -289,7 +291,7 @@ def _engine_vs_trainer(rank, world_size, folder):
         engine = LocalEngine(hf, None, device=device, eos_token_ids=[])
         samples = engine.generate(requests)
         # The engine against a cache-free forward of the same model on the unpadded sequence.
-        cache_free, logit_max, entropies = [], 0.0, []
+        cache_free, logit_max, entropies, logit_stds = [], 0.0, [], []
         with torch.no_grad():
             for s in samples[:: g["n"]]:
                 ids = torch.tensor([s.prompt_ids + s.response_ids], device=device)
@@ -299,6 +301,7 @@ def _engine_vs_trainer(rank, world_size, folder):
                 cache_free.append((torch.tensor(s.logprobs, device=device) - ref).abs())
                 logit_max = max(logit_max, float(logits.abs().max()))
                 entropies.append(-(logsm.exp() * logsm).sum(-1))
+                logit_stds.append(logits.std(-1))
         engine.close()
         del engine, hf
         # The trainer's recompute of the same samples: megatron model, collated micro-batch.
@@ -314,6 +317,7 @@ def _engine_vs_trainer(rank, world_size, folder):
         figures[name] = dict(mismatch_mean=float(diff.mean()), mismatch_max=float(diff.max()), tokens=int(diff.numel()),
                              cache_free_mean=float(cache_free.mean()), cache_free_max=float(cache_free.max()),
                              logit_max=logit_max, entropy_mean=float(torch.cat(entropies).mean()),
+                             logit_std=float(torch.cat(logit_stds).mean()),
                              logp_mean=float(micro.per_token["rollout_logprobs"][micro.loss_mask].mean()))
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -348,18 +352,22 @@ def test_local_engine_on_device_matches_cache_free_forward(engine_figures, recor
 
 def test_training_inference_logprob_mismatch(engine_figures, record_property):
     """fp32: engine and trainer are the same function up to rounding, so they agree within fp32's
-    bound. bf16: the figure the issue asks for; the bound is bf16's counterpart of the fp32 one
-    (two sides of K = 14 L + 2 bf16 roundings each), which a wrong weight, position or mask
-    exceeds by far."""
+    bound (a wrong weight, position or mask exceeds it by orders of magnitude). bf16: the figure
+    the issue asks for. Its bound is on the mean: each side's logits carry K = 14 L + 2 bf16
+    roundings, independent ones adding up to an RMS error of about sqrt(K) eps / sqrt(12) times
+    the logits' spread (their std over the vocabulary), a log-prob (z_t - lse) and the difference
+    of two sides about 2x that; the bound is 4 sqrt(K) eps(bf16) logit std, a margin of ~7 on that
+    estimate. The engine attending to its left padding, for one, exceeds it."""
     r = engine_figures
     fp32, bf16 = r["figures"]["fp32"], r["figures"]["bf16"]
     fp32_bound = fp32_logprob_bound(r, "fp32")
-    bf16_bound = 2 * 2 * tolerance(torch.bfloat16, 14 * r["layers"] + 2) * bf16["logit_max"]
+    bf16_bound = tolerance(torch.bfloat16, 14 * r["layers"] + 2) * bf16["logit_std"]
     record(record_property,
            f"bf16 mean {bf16['mismatch_mean']:.4f} / max {bf16['mismatch_max']:.3f} over {bf16['tokens']} generated "
            f"tokens (fp32: {fp32['mismatch_mean']:.1e} / {fp32['mismatch_max']:.1e}); {r['layers']} layers, hidden "
-           f"{r['hidden']}, vocab {r['vocab']}, entropy {bf16['entropy_mean']:.2f} nats, max |logit| "
-           f"{bf16['logit_max']:.1f}", "anchor ~0.011-0.012 mean (vLLM/SGLang vs HF, 4B, bf16)",
-           fp32=fp32, bf16=bf16, fp32_bound=fp32_bound, bf16_bound=bf16_bound)
+           f"{r['hidden']}, vocab {r['vocab']}, entropy {bf16['entropy_mean']:.2f} nats, logit std "
+           f"{bf16['logit_std']:.1f}, max |logit| {bf16['logit_max']:.1f}; bf16 mean bound {bf16_bound:.3f}",
+           "anchor ~0.011-0.012 mean (vLLM/SGLang vs HF, 4B, bf16)",
+           fp32=fp32, bf16=bf16, fp32_bound=fp32_bound, bf16_mean_bound=bf16_bound)
     assert fp32["mismatch_max"] <= fp32_bound
-    assert bf16["mismatch_max"] <= bf16_bound
+    assert bf16["mismatch_mean"] <= bf16_bound and math.isfinite(bf16["mismatch_max"])
