@@ -317,3 +317,26 @@ def test_packing_is_the_default_and_pass_budgets_are_their_own():
     assert MicroBatching.from_config(load_config("tiny_cpu"), "ref_logprobs").max_tokens == cfg.actor.max_tokens_per_micro_batch
     with pytest.raises(ConfigError, match=r"actor\.logprob_max_tokens_per_micro_batch=10 is below the longest"):
         validate(load_config("tiny_cpu", ["actor.logprob_max_tokens_per_micro_batch=10"]), world_size=1)
+
+
+def test_rope_table_never_takes_megatrons_whole_pack_position_mode():
+    # Two sequences of 8 under CP=2: megatron's RoPE table (max_seqlen x CP = 16 rows) would equal
+    # the pack's 16 tokens, which its unfused THD RoPE reads as "positions run across the pack".
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd, _apply_rotary_pos_emb_thd
+
+    from megatron_grpo.ops.context_parallel import split_packed_for_context_parallel
+
+    cp = 2
+    samples = _of_lengths([8, 8])
+    mb = collate_packed(samples, [0, 1], sequence_multiple=2 * cp, total_multiple=2 * cp)
+    params = mb.packed.packed_seq_params(context_parallel_size=cp)
+    rows = max(params.max_seqlen_q, params.max_seqlen_kv) * cp  # RotaryEmbedding.get_rotary_seq_len
+    assert rows != mb.packed.total_length
+    freqs = torch.randn(rows, 1, 1, 4)
+    x = torch.randn(16, 2, 4)
+    expected = torch.cat([_apply_rotary_pos_emb_bshd(x[a:a + 8].unsqueeze(1), freqs[:8]).squeeze(1) for a in (0, 8)])
+    bounds = params.cu_seqlens_q_padded
+    for rank in range(cp):
+        got = _apply_rotary_pos_emb_thd(split_packed_for_context_parallel(x, bounds, rank, cp, seq_dim=0), bounds,
+                                        freqs, cp_group=_Group(rank, cp))
+        assert torch.equal(got, split_packed_for_context_parallel(expected, bounds, rank, cp, seq_dim=0))
