@@ -1,11 +1,5 @@
 """Recipe keys that trainer/setup.py hands on: model.tokenizer_path with model.path set, and
-reward.signature / reward.max_error_frac to the reward runner.
-
-Both are strict xfails until trainer/setup.py takes them (the change is in issue 15's report:
-`AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_dir)`, the engine given that
-tokenizer, and `RewardRunner(..., signature=cfg.reward.signature,
-max_error_frac=cfg.reward.max_error_frac)`); once it does they pass, and strict=True makes the
-suite say so until the marks are removed."""
+reward.signature / reward.max_error_frac to the reward runner."""
 from __future__ import annotations
 
 import pytest
@@ -29,7 +23,6 @@ def _built(rank, world_size, overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="trainer/setup.py loads the tokenizer from the model folder (issue 15)")
 def test_tokenizer_path_is_used_with_model_path(tmp_path):
     """The model folder's tokenizer (character-level, no chat template) is not the one asked for:
     model.tokenizer_path's synthetic tokenizer formats and encodes the prompts, in the trainer and
@@ -49,7 +42,6 @@ def test_tokenizer_path_is_used_with_model_path(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="trainer/setup.py does not pass reward.signature / max_error_frac (issue 15)")
 def test_reward_signature_and_max_error_frac_reach_the_runner(tmp_path):
     built = run_distributed(_built, 1, ([*FAST, "reward.signature=verl", "reward.max_error_frac=0.9",
                                          f"logging.output_dir={tmp_path / 'run'}"],), timeout=300)[0]

@@ -356,8 +356,6 @@ def test_train_gets_the_hint_too(tmp_path):
 # ---------------------------------------------------------------- the README table
 
 
-@pytest.mark.xfail(strict=True, reason="README.md's 'Coming from verl' section is merged by the lead (issue 15); "
-                                      "then this passes and the mark goes")
 def test_readme_table_is_the_generated_one(capsys):
     assert main(["config", "verl-keys"]) == 0
     generated = capsys.readouterr().out

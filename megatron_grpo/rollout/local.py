@@ -74,14 +74,15 @@ class LocalEngine(RolloutEngine):
     # ----- construction -----------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32, **kwargs: Any) -> "LocalEngine":
+                        dtype: torch.dtype = torch.float32, tokenizer_path: str | Path | None = None,
+                        **kwargs: Any) -> "LocalEngine":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"local rollout engine: {path} has no config.json (expected an HF model folder)")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or path)
         return cls(model, tokenizer, device=device, **kwargs)
 
     @classmethod

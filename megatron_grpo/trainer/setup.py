@@ -132,7 +132,7 @@ def build_run(cfg: Config) -> Run:
     check_context_length(cfg, model_config, model_dir)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_dir)
     prompts = _load_prompts_checked(cfg, tokenizer)  # data errors stop every rank before any model is built
     record = run_record(cfg, model_config)
     resume_plan = on_rank0(check_resume, cfg, candidates, record, prompts)
@@ -245,16 +245,19 @@ def _build_rank0_parts(run: Run, prompts: tuple[list, list | None]) -> None:
     run.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * run.sampler.batches_per_epoch
     run.rewards = RewardRunner(cfg.reward.function, num_workers=cfg.reward.num_workers,
                                timeout_s=cfg.reward.timeout_s if cfg.reward.num_workers else None,
-                               kwargs=dict(cfg.reward.kwargs))
-    run.engine = build_engine(cfg, run.model_dir, run.device)
+                               kwargs=dict(cfg.reward.kwargs), signature=cfg.reward.signature,
+                               max_error_frac=cfg.reward.max_error_frac)
+    run.engine = build_engine(cfg, run.model_dir, run.device, run.dtype)
 
 
-def build_engine(cfg: Config, model_dir: Path, device: torch.device):
+def build_engine(cfg: Config, model_dir: Path, device: torch.device, dtype: torch.dtype = torch.float32):
+    """The rollout engine; the local one serves in the trainer's dtype (bf16 on a GPU), as SGLang would."""
     if cfg.rollout.engine == "local":
         from megatron_grpo.rollout.local import LocalEngine
 
         rows = cfg.rollout.local.max_batch_size or 256
-        return LocalEngine.from_pretrained(model_dir, device=device, seed=cfg.trainer.seed, max_batch_rows=rows)
+        return LocalEngine.from_pretrained(model_dir, device=device, dtype=dtype, seed=cfg.trainer.seed,
+                                           max_batch_rows=rows, tokenizer_path=cfg.model.tokenizer_path)
     from megatron_grpo.trainer.sglang_setup import build_sglang_engine
 
     return build_sglang_engine(cfg, model_dir, Path(cfg.logging.output_dir))

@@ -37,11 +37,14 @@ class SGLangClient:
         self._aborted = threading.Event()
 
     def set_urls(self, urls: Sequence[str]) -> None:
-        """The servers later calls use (in-flight requests finish where they are)."""
+        """The servers later calls use (in-flight requests finish where they are). They were just
+        found alive (or restarted), so none of them stays in its failure cooldown."""
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
         with self._lock:
             self.urls = [u.rstrip("/") for u in urls]
+            for url in self.urls:
+                self._dead_until.pop(url, None)
 
     # ----- plain calls ------------------------------------------------------------------------
     def call(self, url: str, path: str, payload: Any = None, *, method: str = "POST",
@@ -100,8 +103,10 @@ class SGLangClient:
             first = next(self._round_robin)
             order = [self.urls[(first + i) % len(self.urls)] for i in range(len(self.urls))]
             alive = [u for u in order if self._dead_until.get(u, 0.0) <= now]
-        # Prefer live servers not yet tried for this request, then any live one, then any at all.
-        for candidates in ([u for u in alive if u not in tried], alive, order):
+        # Prefer live servers not yet tried for this request, then any live one, then one not yet
+        # tried, then any at all.
+        untried = [u for u in order if u not in tried]
+        for candidates in ([u for u in alive if u not in tried], alive, untried, order):
             if candidates:
                 return candidates[0]
         raise AssertionError("unreachable")
