@@ -29,6 +29,7 @@ class ServerSettings:
     """One SGLang server's command line. `extra_args` are appended untouched."""
 
     model_path: str
+    tokenizer_path: str | None = None  # None: the model folder's
     tp_size: int = 1
     mem_fraction_static: float | None = None
     host: str = "127.0.0.1"
@@ -48,6 +49,7 @@ class ServerSettings:
 
 def server_command(settings: ServerSettings) -> list[str]:
     cmd = [*settings.command, "--model-path", str(settings.model_path),
+           *(["--tokenizer-path", str(settings.tokenizer_path)] if settings.tokenizer_path else []),
            "--tp-size", str(settings.tp_size), "--host", settings.host, "--port", str(settings.port)]
     if settings.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(settings.mem_fraction_static)]
