@@ -158,13 +158,22 @@ def test_group_index_dense_and_counts():
         make_group_index(torch.tensor([0.5, 1.0]))
 
 
-def test_registry_user_estimator_and_errors():
+@pytest.fixture
+def registered_max_baseline():
+    """A user estimator, unregistered afterwards: the registry is process-wide, and a leftover name
+    would change what later tests (config validation's name lists) see."""
     name = "test_max_baseline"
-    if name not in ADVANTAGE_ESTIMATORS:
-        @register_advantage_estimator(name)
-        def max_baseline(scores, groups, response_mask, config):
-            return scores - groups.expand(groups.group_amax(scores))
 
+    @register_advantage_estimator(name)
+    def max_baseline(scores, groups, response_mask, config):
+        return scores - groups.expand(groups.group_amax(scores))
+
+    yield name
+    del ADVANTAGE_ESTIMATORS._entries[name]
+
+
+def test_registry_user_estimator_and_errors(registered_max_baseline):
+    name = registered_max_baseline
     got = compute_advantages(name, torch.tensor([1.0, 3.0, 2.0, 5.0]), ["a", "a", "b", "b"])
     torch.testing.assert_close(got, torch.tensor([-2.0, 0.0, -3.0, 0.0]))
     assert get_advantage_estimator("grpo") is get_advantage_estimator("grpo")

@@ -218,14 +218,24 @@ def test_tis_without_rollout_log_prob_raises():
 
 # ---- registry and config validation ----
 
-def test_policy_loss_registry():
+@pytest.fixture
+def registered_reinforce():
+    """A user policy loss, unregistered afterwards (the registry is process-wide; a leftover name
+    would change what later tests see)."""
     name = "test_reinforce"
-    if name not in POLICY_LOSSES:
-        @register_policy_loss(name)
-        def reinforce(log_prob, old_log_prob, advantages, response_mask, config):
-            zeros = torch.zeros_like(response_mask, dtype=torch.bool)
-            return PolicyLossTerms(loss=-advantages * log_prob, clipped=zeros, clipped_lower=zeros,
-                                   approx_kl=(old_log_prob - log_prob).detach())
+
+    @register_policy_loss(name)
+    def reinforce(log_prob, old_log_prob, advantages, response_mask, config):
+        zeros = torch.zeros_like(response_mask, dtype=torch.bool)
+        return PolicyLossTerms(loss=-advantages * log_prob, clipped=zeros, clipped_lower=zeros,
+                               approx_kl=(old_log_prob - log_prob).detach())
+
+    yield name
+    del POLICY_LOSSES._entries[name]
+
+
+def test_policy_loss_registry(registered_reinforce):
+    name = registered_reinforce
     logp, old, adv, mask = _random_tokens(2)
     terms, _ = compute_policy_loss(name, logp, old, adv, mask, PolicyLossConfig())
     torch.testing.assert_close(terms.loss, -adv * logp)
