@@ -62,14 +62,18 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     lengths, bounds = _bounds(packed_seq_params)
     if bounds[-1] != query.size(0):
         raise ValueError(f"packed attention: cu_seqlens end at {bounds[-1]} but the row has {query.size(0)} tokens")
-    pieces = []
+    # torch.split, not slicing: the backward of a split is one concatenation, the backward of each
+    # slice would be a zero tensor of the whole row (quadratic in the number of sequences).
+    sizes = []
     for length, start, end in zip(lengths, bounds, bounds[1:]):
-        if length:
-            pos = torch.arange(length, device=query.device)
-            span = slice(start, start + length)
-            pieces.append(causal_attention(query[span], key[span], value[span], pos, pos, scale, dropout))
-        if end - start - length:
-            pieces.append(query.new_zeros(end - start - length, query.size(1), query.size(2)))
+        sizes += [length, end - start - length]
+    pieces = []
+    for number, (q, k, v) in enumerate(zip(query.split(sizes), key.split(sizes), value.split(sizes))):
+        if number % 2 == 0 and q.size(0):  # a sequence; the odd pieces are the padding after one
+            pos = torch.arange(q.size(0), device=query.device)
+            pieces.append(causal_attention(q, k, v, pos, pos, scale, dropout))
+        else:
+            pieces.append(q.new_zeros(q.size(0), q.size(1), q.size(2)))
     return torch.cat(pieces, dim=0)
 
 
@@ -108,23 +112,30 @@ def context_parallel_packed_attention(query: torch.Tensor, key: torch.Tensor, va
                          f"{cp_size} x {local_rows} tokens")
     keys = all_gather_sequence(key, cp_group)      # [cp * T/cp, g, d], rank order
     values = all_gather_sequence(value, cp_group)
-    pieces = []
+    q_sizes, k_sizes, k_index, positions = [], [], [], []
     for length, start, end in zip(lengths, bounds, bounds[1:]):
         segment = end - start
         if segment % (2 * cp_size):
             raise ConfigError(f"packed sequence segment of {segment} tokens is not divisible by 2 * "
                               f"context_parallel_size = {2 * cp_size}")
-        local = slice(start // cp_size, end // cp_size)
-        if not length:
-            pieces.append(query.new_zeros(segment // cp_size, query.size(1), query.size(2)))
-            continue
         q_pos = _chunk_positions(segment, cp_rank, cp_size, query.device)
         # Keys a local query can see: the sequence's real tokens up to the last local position.
         num_keys = min(length, int(q_pos.max()) + 1)
-        index = _gathered_key_index(num_keys, start // cp_size, local_rows, segment, cp_size, query.device)
-        k_pos = torch.arange(num_keys, device=query.device)
-        pieces.append(causal_attention(query[local], keys.index_select(0, index), values.index_select(0, index),
-                                       q_pos, k_pos, scale, dropout))
+        q_sizes.append(segment // cp_size)
+        k_sizes.append(num_keys)
+        k_index.append(_gathered_key_index(num_keys, start // cp_size, local_rows, segment, cp_size, query.device))
+        positions.append(q_pos)
+    # One gather and one split for all sequences (their backwards are one scatter and one concatenation).
+    k_index = torch.cat(k_index)
+    seq_keys = keys.index_select(0, k_index).split(k_sizes)
+    seq_values = values.index_select(0, k_index).split(k_sizes)
+    pieces = []
+    for q, k, v, q_pos in zip(query.split(q_sizes), seq_keys, seq_values, positions):
+        if k.size(0) == 0:  # a segment of padding only
+            pieces.append(q.new_zeros(q.size(0), q.size(1), q.size(2)))
+            continue
+        k_pos = torch.arange(k.size(0), device=query.device)
+        pieces.append(causal_attention(q, k, v, q_pos, k_pos, scale, dropout))
     return torch.cat(pieces, dim=0)
 
 
