@@ -97,19 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     return run_tool(megatron_to_hf, args)
 
 
-# Deprecation notices torch prints from inside megatron's checkpoint loading, on every run.
-TOOL_KNOWN_WARNINGS = (r"`load_state_dict` is deprecated.*", r"Please use DTensor instead.*")
-
-
 def run_tool(function, args) -> int:
     """Runs a conversion; a project error is one `error:` line on stderr and its exit code."""
-    import warnings
+    from megatron_grpo.launch.mcore_compat import quiet_known_notices
 
-    from megatron_grpo.trainer.main import quiet_known_warnings
-
-    quiet_known_warnings()  # megatron's TE / Apex fallback notices would bury the one line that matters
-    for pattern in TOOL_KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=pattern)
+    quiet_known_notices()  # megatron-core's notices would bury the one line that matters
     try:
         function(args)
     except MegatronGRPOError as exc:

@@ -21,7 +21,7 @@ multiprocessing's resource tracker needs nothing: it exits when the last process
 *thread* that forked the child exits, so forks from other threads are not armed (they would die
 with that thread). Linux only: elsewhere these functions do nothing and say so (return False).
 
-Only the standard library is imported here: spawned children import this module first.
+Only the standard library is imported at module level: spawned children import this module first.
 """
 from __future__ import annotations
 
@@ -115,31 +115,31 @@ def tie_megatron_checkpoint_manager() -> bool:
     (and, through it, multiprocessing's resource tracker) running.
 
     Why a patch, and why here and not in launch/cpu.py: the Manager orphans on GPU as on CPU, and
-    megatron-core (0.16) creates it inside filesystem_async._get_write_results_queue() with
-    mp.get_context("spawn").Manager(), which takes no initializer; we replace that function with one
+    megatron-core creates it inside filesystem_async's results-queue function (its name and
+    signature per version: mcore_compat.checkpoint_results_queue_factory) with
+    mp.get_context(mode).Manager(), which takes no initializer; we replace that function with one
     that builds the same Manager through SyncManager.start(initializer). Idempotent. Returns False
     when this megatron-core has no such function (then nothing is patched)."""
-    try:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-    except ImportError:
+    from megatron_grpo.launch.mcore_compat import checkpoint_results_queue_factory
+
+    found = checkpoint_results_queue_factory()
+    if found is None:
+        log.warning("megatron-core's checkpoint writer Manager is not where megatron-core 0.16-0.19 have it "
+                    "(filesystem_async.get_write_results_queue); it may outlive a killed trainer")
         return False
-    original = getattr(filesystem_async, "_get_write_results_queue", None)
-    if original is None or not hasattr(filesystem_async, "_results_queue"):
-        log.warning("megatron-core's checkpoint writer Manager is not where megatron-core 0.16 has it "
-                    "(filesystem_async._get_write_results_queue); it may outlive a killed trainer")
-        return False
-    if getattr(original, "dies_with_parent", False):
+    filesystem_async, name = found
+    if getattr(getattr(filesystem_async, name), "dies_with_parent", False):
         return True
 
-    def results_queue_dying_with_parent():
+    def results_queue_dying_with_parent(mp_mode: str = "spawn"):
         if filesystem_async._results_queue is None:
-            manager = SyncManager(ctx=get_context("spawn"))
+            manager = SyncManager(ctx=get_context(mp_mode))
             manager.start(die_with_parent, (os.getpid(), signal.SIGKILL))
             filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
         return filesystem_async._results_queue
 
     results_queue_dying_with_parent.dies_with_parent = True
-    filesystem_async._get_write_results_queue = results_queue_dying_with_parent
+    setattr(filesystem_async, name, results_queue_dying_with_parent)
     return True
 
 

@@ -30,7 +30,9 @@ def main(argv=None) -> int:
     # Our own INFO lines on rank 0; megatron-core's INFO chatter (bucket listings...) stays hidden.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron_grpo").setLevel(logging.INFO if ranks.rank == 0 else logging.WARNING)
-    quiet_known_warnings()
+    from megatron_grpo.launch.mcore_compat import quiet_known_notices
+
+    quiet_known_notices()  # before megatron-core is imported: some notices come at import time
 
     from megatron_grpo.launch.distributed import shutdown
     from megatron_grpo.trainer.loop import train
@@ -46,21 +48,3 @@ def main(argv=None) -> int:
     if ranks.rank == 0:
         print(f"done: metrics in {out / 'metrics.jsonl'}", flush=True)
     return 0
-
-
-# Warnings megatron-core / torch print on every CPU run that say nothing actionable: the missing
-# TE/apex fallbacks (our layer-spec choice is logged once instead), and deprecations inside
-# megatron's own calls.
-KNOWN_WARNINGS = (
-    r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*",
-    r"full scope is deprecated.*",
-    r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor).* is deprecated.*",
-    r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed.*",
-)
-
-
-def quiet_known_warnings() -> None:
-    import warnings
-
-    for pattern in KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=pattern)
