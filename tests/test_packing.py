@@ -223,7 +223,7 @@ def _dense_reference(q, k, v, cu, cu_padded, scale):
 
 def _packed_inputs(seed=0, cp=1):
     g = torch.Generator().manual_seed(seed)
-    lengths = [1, 7, 30, 2, 13]
+    lengths = [1, 7, 30, 2, 13, 28, 27, 12]  # 30, 28, 27 and 13, 12 share batched attention groups
     segments = [-(-n // (2 * cp)) * 2 * cp if cp > 1 else n + (i % 2) for i, n in enumerate(lengths)]
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
     cu_padded = torch.tensor([0] + list(torch.tensor(segments).cumsum(0)), dtype=torch.int32)
@@ -256,9 +256,10 @@ def _check_close(got, want, what, size):
 
 
 def test_packed_attention_equals_dense_float64_attention():
-    from megatron_grpo.ops.varlen_attention import packed_causal_attention
+    from megatron_grpo.ops.varlen_attention import length_buckets, packed_causal_attention
 
     q, k, v, upstream, cu, cu_padded = _packed_inputs()
+    assert length_buckets(torch.diff(cu).tolist()) == [[2, 5, 6], [4, 7], [1], [3], [0]]
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = packed_causal_attention(*leaves, _params(cu, cu_padded), scale=8 ** -0.5)
     (out * upstream).sum().backward()
