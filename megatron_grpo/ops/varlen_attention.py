@@ -8,7 +8,9 @@ sum_i len_i^2 rather than rows x longest^2:
 
   * CP = 1 (`packed_causal_attention`): segment i of the row is [cu_padded[i], cu_padded[i+1]);
     its first len_i = cu[i+1] - cu[i] tokens attend causally among themselves, the padding after
-    them gets zeros (as Transformer Engine leaves it).
+    them gets zeros (as Transformer Engine leaves it). Sequences of similar length run together as
+    one batched, masked attention call (length_buckets), so many short sequences cost a few
+    kernels, not one each.
   * CP > 1 (`context_parallel_packed_attention`): as megatron / Transformer Engine split THD
     batches (tex.thd_get_partitioned_indices), every segment is cut into 2*CP chunks and CP rank r
     holds chunks r and 2*CP-1-r of each one (load balance for causal attention, per sequence). K
@@ -16,8 +18,8 @@ sum_i len_i^2 rather than rows x longest^2:
     ops.context_parallel.all_gather_sequence); each local query sees the keys of its own sequence
     up to its own global position.
 
-Attention runs sequence by sequence on [heads, len, len] scores in fp32 (softmax in fp32, as
-megatron's attention_softmax_in_fp32), so memory is O(len^2) per sequence, never O(T^2).
+Scores are [heads, len, len] per sequence (a group's longest under CP = 1), in fp32 (softmax in
+fp32, as megatron's attention_softmax_in_fp32): memory O(len^2) per sequence, never O(T^2).
 """
 from __future__ import annotations
 
