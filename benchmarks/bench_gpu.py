@@ -13,10 +13,9 @@ Sections (each a row group of the table):
    models.build_model, local spec or TE spec when transformer_engine imports, bf16, Megatron DDP +
    distributed optimizer) runs trainer.train_step.train_on_mini_batch, the trainer's own update
    (GRPO loss on vocab-parallel log-probs + entropy, one optimizer step) on fixed-length sequences.
-   MFU = useful model FLOPs / step time / the card's dense bf16 peak, with useful FLOPs per token
-   = 3 x forward, forward = 2 x (linear parameters incl. the LM head) + 4 x layers x heads x
-   head_dim x mean causal context ((s+1)/2). Attention FLOPs the implementation wastes (the local
-   spec computes the full s x s score matrix) are not counted as useful.
+   MFU = useful model FLOPs / step time / the card's dense bf16 peak, with useful FLOPs as the
+   trainer counts them (trainer/flops.py: 3 x forward; forward = 2 x matmul parameters, the LM
+   head included and the input embedding not, per token, plus causal attention).
 2. log-prob kernels: ops.vocab_parallel on a [T, V] bf16 logit tensor. Effective bandwidth = the
    bytes the op must at least move / time: forward reads the logits once (T*V*2 bytes); forward +
    backward with entropy (what the trainer runs) reads them twice and writes the gradient once
@@ -52,15 +51,6 @@ from typing import Callable, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-# Dense (no sparsity) bf16 TFLOPS and HBM TB/s from the vendors' data sheets, by device-name substring.
-# First match wins, so the more specific names come first. --peak-tflops / --peak-tbps override.
-PEAKS = [
-    ("GH200", 989.0, 4.0), ("H200", 989.0, 4.8), ("H100 NVL", 835.0, 3.9), ("H100 PCIe", 756.0, 2.0),
-    ("H100", 989.0, 3.35), ("H800", 989.0, 3.35), ("B200", 2250.0, 8.0), ("B100", 1750.0, 8.0),
-    ("A100-SXM4-80GB", 312.0, 2.039), ("A100 80GB PCIe", 312.0, 1.935), ("A100", 312.0, 1.555),
-    ("L40S", 362.0, 0.864), ("A10G", 70.0, 0.6), ("RTX 4090", 165.0, 1.008),
-]
 
 QWEN3 = {  # HF config dicts (Qwen/Qwen3-*/config.json, the fields that shape the network)
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -134,13 +124,11 @@ def hf_config(name: str, vocab_size: Optional[int] = None) -> dict:
 
 
 def device_peaks(device: torch.device, tflops: Optional[float], tbps: Optional[float]) -> tuple[str, Optional[float], Optional[float]]:
-    if device.type != "cuda":
-        return f"CPU ({torch.get_num_threads()} threads), dry run", tflops, tbps
-    name = torch.cuda.get_device_name(device)
-    for key, peak_tflops, peak_tbps in PEAKS:
-        if key in name:
-            return name, tflops or peak_tflops, tbps or peak_tbps
-    return name, tflops, tbps
+    """trainer/flops.py's table, with --peak-tflops / --peak-tbps taking precedence."""
+    from megatron_grpo.trainer.flops import device_peaks as table_peaks
+
+    name, peak_tflops, peak_tbps = table_peaks(device)
+    return (name + ", dry run" if device.type != "cuda" else name), tflops or peak_tflops, tbps or peak_tbps
 
 
 def sync(device: torch.device) -> None:
@@ -171,22 +159,13 @@ def pct(value: float, peak: Optional[float]) -> str:
 
 
 # ----- 1. train step ---------------------------------------------------------------------------
-def train_flops_per_token(mc, seq_len: int) -> float:
-    """Useful FLOPs per token of forward + backward (3 x forward), see the module docstring."""
-    h, layers, heads, kv, hd, ffn = (mc.hidden_size, mc.num_layers, mc.num_attention_heads,
-                                     mc.num_query_groups, mc.head_dim, mc.ffn_hidden_size)
-    per_layer = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * ffn
-    linear = layers * per_layer + h * mc.padded_vocab_size
-    attention = layers * 4 * heads * hd * (seq_len + 1) / 2
-    return 3 * (2 * linear + attention)
-
-
 def bench_train(args, device: torch.device, dtype: torch.dtype, report: Report, peak_tflops: Optional[float]) -> None:
     from megatron_grpo.algo import GlobalBatchInfo, GRPOLossConfig
     from megatron_grpo.launch import ParallelLayout, init_distributed, initialize_model_parallel
     from megatron_grpo.models import ModelConfig, build_model
     from megatron_grpo.models.spec import resolve_backend
     from megatron_grpo.trainer.batching import TrainSample, collate
+    from megatron_grpo.trainer.flops import training_flops
     from megatron_grpo.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
     from megatron_grpo.trainer.train_step import train_on_mini_batch
 
@@ -201,39 +180,50 @@ def bench_train(args, device: torch.device, dtype: torch.dtype, report: Report, 
     policy = wrap_with_ddp(chunks, use_distributed_optimizer=True)
     optimizer, _ = build_optimizer(policy, OptimizerSettings(lr=1e-6, grad_clip=1.0, use_distributed_optimizer=True,
                                                              bf16=dtype == torch.bfloat16))
-    seq = args.prompt_length + args.response_length
-    generator = torch.Generator().manual_seed(0)
-    rows = args.micro_batch_rows * args.micro_batches
-    samples = [TrainSample(prompt_ids=torch.randint(mc.vocab_size, (args.prompt_length,), generator=generator).tolist(),
-                           response_ids=torch.randint(mc.vocab_size, (args.response_length,),
-                                                      generator=generator).tolist(),
-                           advantage=1.0 if i % 2 else -1.0) for i in range(rows)]
-    micro_batches = [collate(samples, list(range(i, i + args.micro_batch_rows)))
-                     for i in range(0, rows, args.micro_batch_rows)]
-    batch_info = GlobalBatchInfo.from_masks([mb.loss_mask for mb in micro_batches], dp_size=1,
-                                            loss_scale_factor=args.response_length,
-                                            framework_loss_divisor=len(micro_batches))
-    loss_config = GRPOLossConfig()
+    for packed in [mode == "packed" for mode in args.train_modes.split(",")]:
+        seq = args.prompt_length + args.response_length
+        generator = torch.Generator().manual_seed(0)
+        rows = args.micro_batch_rows * args.micro_batches
+        # --packed: GRPO-like uneven responses (uniform in 1..response_length), packed as the trainer does.
+        lengths = (torch.randint(1, args.response_length + 1, (rows,), generator=generator).tolist() if packed
+                   else [args.response_length] * rows)
+        samples = [TrainSample(prompt_ids=torch.randint(mc.vocab_size, (args.prompt_length,), generator=generator).tolist(),
+                               response_ids=torch.randint(mc.vocab_size, (length,), generator=generator).tolist(),
+                               advantage=1.0 if i % 2 else -1.0) for i, length in enumerate(lengths)]
+        if packed:
+            from bench_packing import step_inputs
 
-    def step():
-        return train_on_mini_batch(policy, optimizer, micro_batches, loss_config=loss_config, batch_info=batch_info,
-                                   temperature=1.0, vocab_size=mc.vocab_size, device=device, need_entropy=True)
+            micro_batches, batch_info = step_inputs(samples, packing=True, max_tokens=args.micro_batch_rows * seq,
+                                                    model_config=mc, loss_scale_factor=args.response_length)
+        else:
+            micro_batches = [collate(samples, list(range(i, i + args.micro_batch_rows)))
+                             for i in range(0, rows, args.micro_batch_rows)]
+            batch_info = GlobalBatchInfo.from_row_token_counts([mb.row_token_counts for mb in micro_batches],
+                                                               num_micro_batches=len(micro_batches),
+                                                               loss_scale_factor=args.response_length)
+        loss_config = GRPOLossConfig()
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    seconds = timed(step, device, args.warmup, args.repeats)
-    tokens = rows * seq
-    flops = train_flops_per_token(mc, seq) * tokens
-    achieved = flops / seconds / 1e12
-    backend = resolve_backend(args.backend)
-    setting = (f"{args.model} ({params / 1e6:,.1f}M params, {backend} spec, bf16), {args.micro_batches} x "
-               f"[{args.micro_batch_rows} x {seq}] tokens, fwd+bwd+Adam")
-    target, verdict = target_verdict("train_mfu", achieved / peak_tflops if peak_tflops else None, report.raw)
-    report.rows.append(Row("train step", setting, f"{achieved:.{1 if achieved >= 0.1 else 4}f} TFLOP/s ({seconds:.3f} s/step, "
-                           f"{tokens / seconds:,.0f} tok/s)", f"{peak_tflops:.0f} TFLOP/s" if peak_tflops else "n/a",
-                           pct(achieved, peak_tflops) + " MFU" if peak_tflops else "n/a", target, verdict))
-    report.raw["train"] = dict(seconds=seconds, tokens=tokens, tflops=achieved, params=params, backend=backend,
-                               peak_memory=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+        def step():
+            return train_on_mini_batch(policy, optimizer, micro_batches, loss_config=loss_config, batch_info=batch_info,
+                                       temperature=1.0, vocab_size=mc.vocab_size, device=device, need_entropy=True)
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        seconds = timed(step, device, args.warmup, args.repeats)
+        sequence_lengths = [args.prompt_length + length for length in lengths]
+        tokens = sum(sequence_lengths)  # useful tokens: packing processes no others (bar kernel multiples)
+        flops = training_flops(mc, sequence_lengths)
+        achieved = flops / seconds / 1e12
+        backend = resolve_backend(args.backend)
+        setting = (f"{args.model} ({params / 1e6:,.1f}M params, {backend} spec, bf16), {args.micro_batches} x "
+                   f"[{args.micro_batch_rows} x {seq}] tokens, fwd+bwd+Adam"
+                   + (f", packed: {tokens} useful tokens of responses 1..{args.response_length}" if packed else ""))
+        target, verdict = target_verdict("train_mfu", achieved / peak_tflops if peak_tflops else None, report.raw)
+        report.rows.append(Row("train step (packed)" if packed else "train step", setting, f"{achieved:.{1 if achieved >= 0.1 else 4}f} TFLOP/s ({seconds:.3f} s/step, "
+                               f"{tokens / seconds:,.0f} tok/s)", f"{peak_tflops:.0f} TFLOP/s" if peak_tflops else "n/a",
+                               pct(achieved, peak_tflops) + " MFU" if peak_tflops else "n/a", target, verdict))
+        report.raw["train_packed" if packed else "train"] = dict(seconds=seconds, tokens=tokens, tflops=achieved, params=params, backend=backend,
+                                   peak_memory=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
     del optimizer, policy, chunks
     from megatron.core import parallel_state
 
@@ -386,6 +376,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--prompt-length", type=int, default=256)
     parser.add_argument("--response-length", type=int, default=768)
+    parser.add_argument("--train-modes", default="padded,packed",
+                        help="train step layouts, comma-separated: padded (full-length rows) and/or packed (responses "
+                             "of 1..response-length in packed micro-batches, as the trainer trains by default)")
     parser.add_argument("--logprob-tokens", type=int, default=16384)
     parser.add_argument("--logprob-vocab", type=int, default=151936)
     parser.add_argument("--memory-tokens", type=int, default=16384, help="T of the log-prob memory section")

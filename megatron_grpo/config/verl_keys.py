@@ -117,6 +117,10 @@ def _micro_batch(value: Any, given: Mapping[str, Any], key: str) -> Translation:
     return Translation({"actor.ppo_micro_batch_size_per_gpu": value, "actor.max_tokens_per_micro_batch": None})
 
 
+def _packing(value: Any, given: Mapping[str, Any], key: str) -> Translation:
+    return Translation({"actor.packing": _truthy(value)})
+
+
 def _truncation(value: Any, given: Mapping[str, Any], key: str) -> Translation:
     if _truthy(given.get("data.filter_overlong_prompts")):
         # filtered prompts are never over-long: verl's truncation never acts
@@ -400,7 +404,7 @@ TABLE: tuple[VerlKey, ...] = (
     same(f"{MODEL}.trust_remote_code", "model.trust_remote_code"),
     conv(f"{MODEL}.enable_gradient_checkpointing", ("model.recompute_granularity",), "true = full recompute",
          _grad_checkpointing),
-    none(f"{MODEL}.use_remove_padding", "always on: sequences are packed without padding"),
+    conv(f"{MODEL}.use_remove_padding", ("actor.packing",), "packed (THD) micro-batches; exact either way", _packing),
     none(f"{MODEL}.enable_activation_offload", "not supported"),
     none(f"{MODEL}.external_lib", "not supported: architectures come from megatron_grpo.models"),
     none(f"{MODEL}.use_shm", "no shared-memory model copies"),
@@ -495,7 +499,7 @@ TABLE: tuple[VerlKey, ...] = (
     none(f"{ACTOR}.megatron.dist_checkpointing_*", _CKPT_FORMAT),
     none(f"{ACTOR}.megatron.dist_ckpt_optim_fully_reshardable", "checkpoints are always fully reshardable"),
     none(f"{ACTOR}.megatron.distrib_optim_fully_reshardable_mem_efficient", "checkpoints are always fully reshardable"),
-    none(f"{ACTOR}.megatron.use_remove_padding", "always on: sequences are packed without padding"),
+    conv(f"{ACTOR}.megatron.use_remove_padding", ("actor.packing",), "packed (THD) micro-batches; exact either way", _packing),
     none(f"{ACTOR}.megatron.use_megatron_fsdp", "not supported"),
     none(f"{ACTOR}.megatron.dynamic_context_parallel", "context parallelism is static (parallel.context)"),
     none(f"{ACTOR}.megatron.max_seqlen_per_dp_cp_rank", "micro-batches are bounded by actor.max_tokens_per_micro_batch"),
@@ -521,7 +525,7 @@ TABLE: tuple[VerlKey, ...] = (
     none(f"{ACTOR}.freeze_vision_tower", _NO_MM),
     none(f"{ACTOR}.use_prefix_grouper", _NOT_HERE),
     none(f"{ACTOR}.pad_to_length", "sequences are packed, not padded"),
-    none(f"{ACTOR}.use_remove_padding", "always on: sequences are packed without padding"),
+    conv(f"{ACTOR}.use_remove_padding", ("actor.packing",), "packed (THD) micro-batches; exact either way", _packing),
     none(f"{ACTOR}.rollout_n", _DERIVED),
     none(f"{ACTOR}.qat.*", _QAT),
     none(f"{ACTOR}.profiler.*", _PROFILE),
