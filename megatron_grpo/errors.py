@@ -34,3 +34,8 @@ class CheckpointError(MegatronGRPOError):
 
 class MissingExtraError(MegatronGRPOError, ImportError):
     """An optional dependency is not installed; the message names the pip extra to install."""
+
+
+class Rank0Failure(MegatronGRPOError):
+    """Global rank 0 failed with an unexpected error in work the other ranks wait on; raised on
+    those ranks (rank 0 raises the original), so that no rank is left waiting in a collective."""

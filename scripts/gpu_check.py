@@ -310,7 +310,9 @@ QWEN3_0_6B = dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, 
 def grpo_overrides(ctx: Context, output_dir: Path) -> list[str]:
     common = [f"logging.output_dir={output_dir}", "logging.plot=false", "logging.console=false", "eval.interval=-1",
               "checkpoint.save_interval=-1", "actor.entropy_coeff=0.001", "model.dtype=bfloat16",
-              "rollout.temperature=1.0"]
+              "rollout.temperature=1.0",
+              # every step's first mini-batch also gets the old-log-prob pass: the ratio invariant is measured
+              "actor.old_logprob_check_interval=1"]
     if ctx.dry_run:  # the recipe's own tiny network, on CPU
         return common + ["trainer.total_steps=3", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
                          "rollout.n=4", "data.max_response_length=8"]
@@ -332,7 +334,7 @@ def grpo_invariants(records: list[dict], steps: int) -> list[tuple[str, bool, st
 
     checks = [
         ("steps 1..N logged", got == list(range(1, steps + 1)), f"{got}"),
-        ("old == current at the first mini-batch (ratio 1 exactly)",
+        ("old == current at the first mini-batch (ratio 1 exactly)",  # update's forward vs the old-log-prob pass
          all(v == 0.0 for v in values("invariant/ratio_dev_first_minibatch")),
          f"max {max(values('invariant/ratio_dev_first_minibatch'), default=float('nan')):.3g}"),
         ("no update skipped", all(v == 0.0 for v in values("actor/updates_skipped")), ""),

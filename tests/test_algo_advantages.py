@@ -10,7 +10,7 @@ from megatron_grpo.algo import (ADVANTAGE_ESTIMATORS, AdvantageConfig, broadcast
                                 register_advantage_estimator)
 from megatron_grpo.errors import ConfigError
 
-# Golden values from shared/reference/grpo-formulas.md (verl 0.8.0.dev and 0.9.1).
+# Golden values computed with verl 0.8.0.dev and 0.9.1 (docs/architecture.md, "Reference values").
 GOLDEN_SCORES = [1, 0, 0, 1, 1, 1, 1, 1, 0.5, 2, 0]
 GOLDEN_UIDS = ["g0"] * 4 + ["g1"] * 4 + ["g2"] + ["g3"] * 2
 GOLDEN = {

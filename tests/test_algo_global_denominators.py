@@ -17,7 +17,13 @@ from megatron_grpo.algo import (LOSS_AGG_MODES, AdvantageConfig, GlobalBatchInfo
 from megatron_grpo.errors import ConfigError
 from megatron_grpo.testing.distributed import run_distributed
 
-# ---- golden values from shared/reference/grpo-formulas.md ----
+def info_of(masks, **kwargs):
+    """GlobalBatchInfo as the trainer computes it (loop.global_batch_info): from each
+    micro-batch's per-row loss-mask token counts."""
+    return GlobalBatchInfo.from_row_token_counts([m.sum(-1) for m in masks], **kwargs)
+
+
+# ---- golden values computed with verl's core_algos.py (docs/architecture.md, "Reference values") ----
 GOLDEN_L = torch.tensor([[1.0, 2, 3, 4], [5, 6, 0, 0]])
 GOLDEN_M = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
 GOLDEN_AGG = {"token-mean": 3.5, "seq-mean-token-sum": 10.5, "seq-mean-token-mean": 4.0,
@@ -26,13 +32,13 @@ GOLDEN_AGG = {"token-mean": 3.5, "seq-mean-token-sum": 10.5, "seq-mean-token-mea
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_golden_aggregation(mode):
-    info = GlobalBatchInfo.from_masks([GOLDEN_M], loss_scale_factor=GOLDEN_L.shape[-1])
+    info = info_of([GOLDEN_M], loss_scale_factor=GOLDEN_L.shape[-1])
     assert (info.num_valid_tokens, info.num_sequences) == (6, 2)
     assert aggregate(GOLDEN_L, GOLDEN_M, mode, info).item() == pytest.approx(GOLDEN_AGG[mode])
 
 
 def test_sum_norm_needs_a_global_scale_factor():
-    info = GlobalBatchInfo.from_masks([GOLDEN_M])
+    info = info_of([GOLDEN_M])
     with pytest.raises(ConfigError, match="loss_scale_factor"):
         aggregate(GOLDEN_L, GOLDEN_M, "seq-mean-token-sum-norm", info)
     with pytest.raises(ConfigError, match="seq-mean-token-mean"):
@@ -41,7 +47,7 @@ def test_sum_norm_needs_a_global_scale_factor():
 
 def test_counts_skip_empty_rows_and_masked_garbage_stays_out():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
-    info = GlobalBatchInfo.from_masks([mask, mask[:1]])
+    info = info_of([mask, mask[:1]])
     assert (info.num_valid_tokens, info.num_sequences) == (5, 3)
     values = torch.tensor([[1.0, 2.0, float("nan")], [float("inf"), 3.0, 4.0], [5.0, float("-inf"), 0.0]],
                           requires_grad=True)
@@ -49,7 +55,18 @@ def test_counts_skip_empty_rows_and_masked_garbage_stays_out():
         aggregate(values, mask, mode, info).backward()
     assert torch.isfinite(values.grad).all() and (values.grad[~mask.bool()] == 0).all()
     with pytest.raises(ValueError, match="process_group"):
-        GlobalBatchInfo.from_masks([mask], dp_size=2)
+        info_of([mask], data_parallel=2)
+
+
+@pytest.mark.parametrize("context_parallel", [1, 2, 4])
+def test_backward_scale_undoes_ddp_and_megatron_for_any_cp(context_parallel):
+    """DDP averages over DP x CP and megatron divides a 2-tuple loss by num_microbatches / CP: the
+    product, backward_scale, is DP x num_microbatches whatever CP is."""
+    info = GlobalBatchInfo.from_row_token_counts([torch.tensor([3, 0, 2])], context_parallel=context_parallel,
+                                                 num_micro_batches=4)
+    assert (info.num_valid_tokens, info.num_sequences) == (5, 2)
+    assert info.dp_size == context_parallel and info.framework_loss_divisor == 4 / context_parallel
+    assert info.backward_scale == 4
 
 
 # ---- the micro-batch x DP property ----
@@ -149,9 +166,11 @@ def rank_pass(batch, micro_batches, info, mode, policy_loss):
 
 
 def global_info(batch, dp_size):
+    """The counts over every rank's micro-batches, computed in this one process (what the DP
+    all-reduce gives; the gloo test below runs the all-reduce), for `dp_size` ranks."""
     masks = [batch["mask"][rows] for rank in RANK_MICRO_BATCHES for rows in rank]
-    info = GlobalBatchInfo.from_masks(masks, loss_scale_factor=LOSS_SCALE_FACTOR)
-    return dataclasses.replace(info, dp_size=dp_size, framework_loss_divisor=NUM_MICRO_BATCHES)
+    info = info_of(masks, loss_scale_factor=LOSS_SCALE_FACTOR, num_micro_batches=NUM_MICRO_BATCHES)
+    return dataclasses.replace(info, dp_size=dp_size)
 
 
 CASES = [(mode, policy) for mode in LOSS_AGG_MODES for policy in ["vanilla", "gspo"]]
@@ -180,7 +199,7 @@ def test_local_denominators_would_not_match(mode):
     local = []
     for rows in [rows for rank in RANK_MICRO_BATCHES for rows in rank]:
         mb = micro_batch(batch, rows, batch["theta"])
-        mb_info = GlobalBatchInfo.from_masks([mb["mask"]], loss_scale_factor=mb["mask"].shape[-1])
+        mb_info = info_of([mb["mask"]], loss_scale_factor=mb["mask"].shape[-1])
         local.append(compute_grpo_loss(mb["log_prob"], mb["old"], mb["advantages"], mb["mask"], mb_info,
                                        loss_config(mode, "vanilla"), ref_log_prob=mb["ref"], entropy=mb["entropy"],
                                        rollout_log_prob=mb["rollout"]).share)
@@ -191,8 +210,8 @@ def _distributed_rank(rank, world_size, batch):
     import torch.distributed as dist
 
     masks = [batch["mask"][rows] for rows in RANK_MICRO_BATCHES[rank]]
-    info = GlobalBatchInfo.from_masks(masks, dp_size=world_size, loss_scale_factor=LOSS_SCALE_FACTOR,
-                                      framework_loss_divisor=NUM_MICRO_BATCHES, process_group=dist.group.WORLD)
+    info = info_of(masks, data_parallel=world_size, loss_scale_factor=LOSS_SCALE_FACTOR,
+                   num_micro_batches=NUM_MICRO_BATCHES, process_group=dist.group.WORLD)
     results = {}
     for mode, policy_loss in CASES:
         share, grad, _ = rank_pass(batch, RANK_MICRO_BATCHES[rank], info, mode, policy_loss)

@@ -55,10 +55,10 @@ def _train(rank, world_size, overrides, signal_at_step=None, signal_rank=0):
         return metrics
 
     class CapturingCheckpointer(loop.Checkpointer):
-        def resume(self):
-            step = super().resume()
+        def restore(self):
+            restored = super().restore()
             captured["at_resume"] = {n: p.detach().clone() for n, p in unwrap(self.run.policy[0]).named_parameters()}
-            return step
+            return restored
 
     loop.build_run, loop.grpo_step, loop.Checkpointer = capture_run, step_then_signal, CapturingCheckpointer
     cfg = load_config("tiny_cpu", overrides)
@@ -66,8 +66,7 @@ def _train(rank, world_size, overrides, signal_at_step=None, signal_rank=0):
     loop.train(cfg)
     run = captured["run"]
     params = {name: p.detach().clone() for name, p in unwrap(run.policy[0]).named_parameters()}
-    engine = ({k: v.detach().clone() for k, v in run.engine.model.state_dict().items()}
-              if run.engine is not None else None)
+    engine = {k: v.detach().clone() for k, v in run.engine.model.state_dict().items()} if run.is_main else None
     return {"params": params, "engine": engine, "at_resume": captured["at_resume"]}
 
 
@@ -107,7 +106,7 @@ def test_stop_signal_then_resume_is_bitwise_exact(tmp_path, uninterrupted):
 
 
 def _fake_checkpoint(root: Path, step: int, marker: bool = True) -> Path:
-    from megatron_grpo.trainer.checkpoint import COMPLETE_MARKER
+    from megatron_grpo.checkpointing.layout import COMPLETE_MARKER
 
     path = root / f"step_{step}"
     (path / "model_optim").mkdir(parents=True)
@@ -128,7 +127,7 @@ class _Cfg:
 
 
 def test_auto_resume_skips_incomplete_and_corrupt_with_warnings(tmp_path, caplog):
-    from megatron_grpo.trainer.checkpoint import complete_checkpoints
+    from megatron_grpo.checkpointing.layout import complete_checkpoints
 
     _fake_checkpoint(tmp_path, 1)
     _fake_checkpoint(tmp_path, 2)
@@ -136,7 +135,7 @@ def test_auto_resume_skips_incomplete_and_corrupt_with_warnings(tmp_path, caplog
     (_fake_checkpoint(tmp_path, 4) / "model_optim" / "__0_0.distcp").write_bytes(b"x" * 10)  # truncated
     (_fake_checkpoint(tmp_path, 5) / "complete.json").write_text("{not json")  # corrupt marker
     (tmp_path / ".tmp-step_6").mkdir()                                         # interrupted save
-    with caplog.at_level(logging.WARNING, logger="megatron_grpo.trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.checkpointing.layout"):
         found = complete_checkpoints(_Cfg(tmp_path))
     assert [f.step for f in found] == [2, 1]
     text = caplog.text
@@ -147,7 +146,7 @@ def test_auto_resume_skips_incomplete_and_corrupt_with_warnings(tmp_path, caplog
 
 
 def test_explicit_resume_path_must_be_complete(tmp_path):
-    from megatron_grpo.trainer.checkpoint import complete_checkpoints
+    from megatron_grpo.checkpointing.layout import complete_checkpoints
 
     path = _fake_checkpoint(tmp_path, 3, marker=False)
     with pytest.raises(CheckpointError, match="step_3: not a complete checkpoint: no complete.json"):
@@ -158,7 +157,7 @@ def test_explicit_resume_path_must_be_complete(tmp_path):
 
 
 def test_latest_pointer_is_replaced_atomically(tmp_path):
-    from megatron_grpo.trainer.checkpoint import write_atomic
+    from megatron_grpo.checkpointing.layout import write_atomic
 
     write_atomic(tmp_path / "latest", b"step_1\n")
     write_atomic(tmp_path / "latest", b"step_2\n")
@@ -186,7 +185,7 @@ def test_megatron_byte_objects_load_weights_only():
     """torch DCP unpickles non-tensor entries with weights_only=False; we switch that off."""
     from torch.distributed.checkpoint import default_planner
 
-    from megatron_grpo.trainer.checkpoint import _dcp_bytes_weights_only
+    from megatron_grpo.launch.safe_dcp import dcp_bytes_weights_only
 
     buffer = io.BytesIO()
     torch.save(_Evil(), buffer)
@@ -198,7 +197,7 @@ def test_megatron_byte_objects_load_weights_only():
         class dest_index:
             fqn = "x"
 
-    with _dcp_bytes_weights_only():
+    with dcp_bytes_weights_only():
         buffer.seek(0)
         with pytest.raises(pickle.UnpicklingError):
             planner.load_bytes(Item, buffer)

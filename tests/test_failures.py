@@ -108,16 +108,17 @@ def _train_with_failing_save(rank, world_size, overrides, fail_at_step, error=er
     disk full)."""
     from megatron_grpo.config import load_config
     from megatron_grpo.errors import CheckpointError
-    from megatron_grpo.trainer import checkpoint, loop
+    from megatron_grpo.checkpointing import layout
+    from megatron_grpo.trainer import loop
 
-    write_file = checkpoint._write_file
+    write_file = layout.write_file
 
     def full_disk(path, data):
         if f"step_{fail_at_step}" in str(path) and path.name == "trainer_state.json":
             raise OSError(error, os.strerror(error), str(path))
         return write_file(path, data)
 
-    checkpoint._write_file = full_disk
+    layout.write_file = full_disk
     try:
         loop.train(load_config("tiny_cpu", overrides))
     except CheckpointError as exc:
@@ -126,7 +127,7 @@ def _train_with_failing_save(rank, world_size, overrides, fail_at_step, error=er
 
 
 def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path):
-    from megatron_grpo.trainer.checkpoint import validate_checkpoint
+    from megatron_grpo.checkpointing.layout import validate_checkpoint
 
     root = tmp_path / "ckpt"
     overrides = [*FAST, "trainer.total_steps=3", "checkpoint.save_interval=1", f"checkpoint.save_dir={root}",
@@ -183,7 +184,7 @@ def _crash_trial(log_path, overrides):
 
 
 def _newest_complete(root: Path):
-    from megatron_grpo.trainer.checkpoint import list_checkpoints, validate_checkpoint
+    from megatron_grpo.checkpointing.layout import list_checkpoints, validate_checkpoint
 
     for step, path in list_checkpoints(root):
         if validate_checkpoint(path) is None:

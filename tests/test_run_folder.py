@@ -230,10 +230,10 @@ def test_initial_model_is_rebuilt_when_what_it_is_built_from_changes(tmp_path):
 
     from megatron_grpo.config import load_config
     from megatron_grpo.trainer.run_folder import INIT_RECORD
-    from megatron_grpo.trainer.setup import _ensure_initial_model
+    from megatron_grpo.trainer.initial_model import ensure_initial_model
 
     def build(folder: Path, *overrides: str) -> dict:
-        _ensure_initial_model(load_config(str(RECIPE), list(overrides)), folder / "initial_model")
+        ensure_initial_model(load_config(str(RECIPE), list(overrides)), folder / "initial_model")
         return load_file(folder / "initial_model" / "model.safetensors")
 
     def same(a: dict, b: dict) -> bool:

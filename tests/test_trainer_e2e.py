@@ -1,6 +1,7 @@
 """The trainer end to end on the tiny recipe: CLI, invariants, reference-model skipping, parallel
 layouts against the single-process run, and learning."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -47,18 +48,58 @@ def test_cli_runs_tiny_recipe(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "megatron_grpo.train", "tiny_cpu", "trainer.total_steps=3",
-                           f"logging.output_dir={out}", *FAST, "logging.plot=true", "eval.interval=3"],
+                           f"logging.output_dir={out}", *FAST, "logging.plot=true", "eval.interval=3",
+                           "actor.old_logprob_check_interval=2"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = _metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]
+    # Step 2 runs the old-log-prob pass over the first mini-batch too: the update's forward gives
+    # the same log-probs bitwise on CPU (a sequence's forward does not depend on which sequences
+    # share its micro-batch: per-row matmuls, per-sequence attention). Steps 1 and 3 have no
+    # pass to compare with, so they log no ratio invariant (it would be 1 by construction).
+    assert [("invariant/ratio_dev_first_minibatch" in r) for r in records] == [False, True, False]
+    assert records[1]["invariant/ratio_dev_first_minibatch"] == 0.0
     for record in records:
-        # One on-policy update per rollout: old == new exactly at the first mini-batch.
-        assert record["invariant/ratio_dev_first_minibatch"] == 0.0
         assert 0.0 <= record["reward/mean"] <= 1.0
         assert record["actor/logprob_abs_diff_mean"] < 1e-4  # engine and trainer agree on log-probs
     assert "eval/pass@1" in records[-1]
     assert (out / "reward_curve.png").stat().st_size > 1000
+
+
+def _step_with_shifted_old_logprobs(rank, world_size, overrides, shift):
+    """One step in which the old-log-prob pass's value for the first sample's first response token
+    is moved by `shift`: what the ratio invariant must then report."""
+    from megatron_grpo.config import load_config
+    from megatron_grpo.trainer import loop
+    from megatron_grpo.trainer.setup import build_run
+
+    fill = loop.fill_logprobs
+
+    def shifted(model_chunks, samples, cfg, name, **kwargs):
+        fill(model_chunks, samples, cfg, name, **kwargs)
+        if name == "old_logprobs":
+            samples[0].old_logprobs = [samples[0].old_logprobs[0] + shift, *samples[0].old_logprobs[1:]]
+
+    loop.fill_logprobs = shifted
+    run = build_run(load_config("tiny_cpu", overrides))
+    try:
+        return loop.grpo_step(run, 1)
+    finally:
+        run.close()
+
+
+def test_ratio_invariant_measures_the_old_logprob_pass(tmp_path):
+    """The invariant is the update's log-probs against the pass's: a pass off by 0.01 on one token
+    shows as |exp(-0.01) - 1|, and without a pass over the first mini-batch nothing is logged."""
+    common = [*FAST, "eval.interval=-1", "eval.before_train=false"]
+    checked = run_distributed(_step_with_shifted_old_logprobs, 1, (
+        [*common, f"logging.output_dir={tmp_path / 'on'}", "actor.old_logprob_check_interval=1"], 0.01),
+        timeout=300)[0]
+    assert checked["invariant/ratio_dev_first_minibatch"] == pytest.approx(1 - math.exp(-0.01), rel=1e-4)
+    unchecked = run_distributed(_step_with_shifted_old_logprobs, 1, (
+        [*common, f"logging.output_dir={tmp_path / 'off'}"], 0.01), timeout=300)[0]
+    assert "invariant/ratio_dev_first_minibatch" not in unchecked
 
 
 def test_cli_config_error_exits_2_before_building(tmp_path):
@@ -93,7 +134,8 @@ def test_reference_model_only_when_kl_term_is_on(tmp_path):
 def test_parallel_layouts_match_single_process(tmp_path, layout):
     # One update per step: a second update would compare Adam steps, and Adam's first step turns
     # fp32 noise on near-zero gradients into full-size updates (sign(g) * lr).
-    common = [*FAST, "trainer.total_steps=2", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01"]
+    common = [*FAST, "trainer.total_steps=2", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01",
+              "actor.old_logprob_check_interval=1"]
     single = run_distributed(_train_in_process, 1, ([*common, f"logging.output_dir={tmp_path / 'single'}"],),
                              timeout=600)[0]
     parallel = run_distributed(_train_in_process, 4, ([*common, f"logging.output_dir={tmp_path / 'parallel'}",
@@ -102,6 +144,8 @@ def test_parallel_layouts_match_single_process(tmp_path, layout):
     assert first_single["reward/mean"] == first_parallel["reward/mean"]  # same rollout
     for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss"):
         assert first_parallel[key] == pytest.approx(first_single[key], rel=1e-5, abs=1e-7), key
+    # The old-log-prob pass (forward only, its own micro-batches) and the update's forward agree
+    # bitwise in every layout, as on one process.
     assert first_parallel["invariant/ratio_dev_first_minibatch"] == 0.0
     assert first_parallel["invariant/kl_at_step1"] == 0.0
 
@@ -145,16 +189,6 @@ def test_full_activation_recompute_gives_the_same_step(tmp_path):
                                                         "model.recompute_granularity=full"],), timeout=300)[0][0]
     for key in ("actor/loss", "actor/grad_norm", "actor/entropy"):
         assert recompute[key] == pytest.approx(plain[key], rel=1e-6), key
-
-
-def test_settings_not_yet_wired_are_refused():
-    from megatron_grpo.config import load_config
-    from megatron_grpo.errors import ConfigError
-    from megatron_grpo.trainer.setup import reject_unwired_settings
-
-    reject_unwired_settings(load_config("tiny_cpu"))
-    with pytest.raises(ConfigError, match=r"algorithm\.use_kl_in_reward=True"):
-        reject_unwired_settings(load_config("tiny_cpu", ["algorithm.use_kl_in_reward=true"]))
 
 
 def test_eval_cli_scores_the_saved_checkpoint(tmp_path):

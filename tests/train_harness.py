@@ -22,7 +22,7 @@ def train_capturing(rank, world_size, overrides, stop_after=None, resave_dir=Non
     from megatron_grpo.trainer import checkpoint, loop
 
     captured = {"steps": {}, "at_resume": None}
-    build_run, grpo_step = loop.build_run, loop.grpo_step
+    build_run, grpo_step, resume = loop.build_run, loop.grpo_step, loop.resume
 
     def engine_weights(run):
         return {k: v.detach().clone() for k, v in run.engine.model.state_dict().items()}
@@ -39,20 +39,18 @@ def train_capturing(rank, world_size, overrides, stop_after=None, resave_dir=Non
             os.kill(os.getpid(), signal.SIGUSR1)
         return metrics
 
-    class Capturing(loop.Checkpointer):
-        def resume(self):
-            step = super().resume()
-            if self.run.is_main:
-                captured["at_resume"] = engine_weights(self.run)
-            if resave_dir is not None:
-                if rank == 0:
-                    Path(resave_dir).mkdir(parents=True)
-                dist.barrier()
-                state, _ = checkpoint._sharded_state_dict(self.run, is_loading=False)
-                dist_checkpointing.save(state, str(resave_dir))
-            return step
+    def resume_and_capture(run, checkpointer):  # the engine holds the restored weights from here on
+        step = resume(run, checkpointer)
+        if run.is_main:
+            captured["at_resume"] = engine_weights(run)
+        if resave_dir is not None:
+            if rank == 0:
+                Path(resave_dir).mkdir(parents=True)
+            dist.barrier()
+            dist_checkpointing.save(checkpoint.training_sharded_state_dict(run, is_loading=False), str(resave_dir))
+        return step
 
-    loop.build_run, loop.grpo_step, loop.Checkpointer = capture_run, step_and_capture, Capturing
+    loop.build_run, loop.grpo_step, loop.resume = capture_run, step_and_capture, resume_and_capture
     cfg = load_config("tiny_cpu", overrides)
     validate(cfg, world_size=world_size)
     loop.train(cfg)

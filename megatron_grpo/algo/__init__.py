@@ -11,10 +11,13 @@ Public API:
                  rollout_log_prob=None) -> (PolicyLossTerms, tis_weights); register_policy_loss(name),
                  get_policy_loss(name); losses: vanilla, gspo; truncated_is_weights(old, rollout, cap)
     kl           kl_penalty(log_prob, ref_log_prob, kind); kinds kl/k1, abs, mse/k2, low_var_kl/k3, and "+"
-    aggregation  GlobalBatchInfo (.from_masks, .backward_scale); aggregate(values, mask, mode, info);
+    aggregation  GlobalBatchInfo (.from_row_token_counts, .backward_scale); aggregate(values, mask, mode, info);
                  token_mean_share(values, mask, info); LOSS_AGG_MODES
     objective    compute_grpo_loss(log_prob, old_log_prob, advantages, mask, info, GRPOLossConfig, ...)
                  -> GRPOLossOutput(loss, share, metrics)
+    off_policy   OffPolicyConfig (objective decoupled | behaviour, truncated IS, rejection / masked IS at
+                 token / sequence / geometric level); off_policy_weights(prox, behav, mask, cfg);
+                 staleness_gap_sums(prox, behav, mask, row_staleness)
 """
 from megatron_grpo.algo.advantages import (ADVANTAGE_ESTIMATORS, AdvantageConfig, broadcast_to_tokens,
                                            compute_advantages, get_advantage_estimator,
@@ -25,6 +28,7 @@ from megatron_grpo.algo.filters import GroupFilterResult, filter_zero_variance_g
 from megatron_grpo.algo.groups import GroupIndex, make_group_index
 from megatron_grpo.algo.kl import check_kl_estimator, kl_estimator_names, kl_penalty
 from megatron_grpo.algo.objective import GRPOLossConfig, GRPOLossOutput, compute_grpo_loss
+from megatron_grpo.algo.off_policy import OffPolicyConfig, OffPolicyWeights, off_policy_weights, staleness_gap_sums
 from megatron_grpo.algo.policy_loss import (POLICY_LOSSES, PolicyLossConfig, PolicyLossTerms, compute_policy_loss,
                                             get_policy_loss, register_policy_loss, truncated_is_weights)
 
@@ -35,6 +39,7 @@ __all__ = [
     "GroupFilterResult", "filter_zero_variance_groups", "GroupIndex", "make_group_index",
     "check_kl_estimator", "kl_estimator_names", "kl_penalty",
     "GRPOLossConfig", "GRPOLossOutput", "compute_grpo_loss",
+    "OffPolicyConfig", "OffPolicyWeights", "off_policy_weights", "staleness_gap_sums",
     "POLICY_LOSSES", "PolicyLossConfig", "PolicyLossTerms", "compute_policy_loss", "get_policy_loss",
     "register_policy_loss", "truncated_is_weights",
 ]

@@ -82,24 +82,28 @@ class GlobalBatchInfo:
         return self.dp_size * self.framework_loss_divisor
 
     @classmethod
-    def from_masks(cls, masks: Sequence[torch.Tensor], *, dp_size: int = 1,
-                   loss_scale_factor: Optional[float] = None, framework_loss_divisor: float = 1.0,
-                   process_group=None) -> "GlobalBatchInfo":
-        """Counts over this rank's micro-batch masks, summed over `process_group` (the DP group) when dp_size > 1."""
-        local = torch.zeros(2, dtype=torch.int64)
-        for mask in masks:
-            valid = mask.bool()
-            local += torch.stack([valid.sum(), valid.any(-1).sum()]).cpu()
-        if dp_size > 1:
+    def from_row_token_counts(cls, row_token_counts: Sequence[torch.Tensor], *, data_parallel: int = 1,
+                              context_parallel: int = 1, num_micro_batches: int = 1,
+                              loss_scale_factor: Optional[float] = None, process_group=None) -> "GlobalBatchInfo":
+        """The denominators of a mini-batch from this rank's micro-batches: per micro-batch, the
+        loss-mask token count of each of its rows (whole rows, so context-parallel ranks, which
+        hold parts of rows, agree), summed over `process_group` (the data-parallel group) when
+        data_parallel > 1. The framework terms are megatron's (the module docstring): DDP averages
+        over DP x CP and the schedule divides a 2-tuple loss by num_micro_batches / CP."""
+        counts = torch.cat([c.reshape(-1).cpu() for c in row_token_counts]) if row_token_counts else torch.zeros(0)
+        totals = torch.tensor([int(counts.sum()), int((counts > 0).sum())], dtype=torch.int64)
+        if data_parallel > 1:
             if process_group is None:
-                raise ValueError("dp_size > 1: pass the data-parallel process_group so the counts are global")
+                raise ValueError("data_parallel > 1: pass the data-parallel process_group so the counts are global")
             import torch.distributed as dist
 
-            if dist.get_world_size(process_group) != dp_size:
-                raise ValueError(f"process_group has {dist.get_world_size(process_group)} ranks, dp_size is {dp_size}")
-            dist.all_reduce(local, group=process_group)
-        return cls(num_valid_tokens=int(local[0]), num_sequences=int(local[1]), dp_size=dp_size,
-                   loss_scale_factor=loss_scale_factor, framework_loss_divisor=framework_loss_divisor)
+            if dist.get_world_size(process_group) != data_parallel:
+                raise ValueError(f"process_group has {dist.get_world_size(process_group)} ranks, "
+                                 f"data_parallel is {data_parallel}")
+            dist.all_reduce(totals, group=process_group)
+        return cls(num_valid_tokens=int(totals[0]), num_sequences=int(totals[1]),
+                   dp_size=data_parallel * context_parallel, loss_scale_factor=loss_scale_factor,
+                   framework_loss_divisor=num_micro_batches / context_parallel)
 
 
 def token_mean_share(values: torch.Tensor, mask: torch.Tensor, info: GlobalBatchInfo) -> torch.Tensor:

@@ -187,6 +187,10 @@ class ActorConfig:
     # Token budget of the forward-only old-log-prob pass; None = max_tokens_per_micro_batch
     # (verl: rollout.log_prob_max_token_len_per_gpu).
     logprob_max_tokens_per_micro_batch: Optional[int] = None
+    # With one epoch the first mini-batch's "old" log-probs are the update's own (detached), so its
+    # ratio is 1 by construction. Every K steps the old-log-prob pass covers it too, and
+    # invariant/ratio_dev_first_minibatch measures the update's forward against that pass; 0 = never.
+    old_logprob_check_interval: int = 0
     ppo_epochs: int = 1
     shuffle: bool = False  # shuffle sequences between mini-batches
     use_kl_loss: bool = False

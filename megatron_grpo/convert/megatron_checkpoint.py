@@ -17,20 +17,13 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.checkpointing.sharded import READ_ERRORS, load_model_state, model_sharded_state_dict, short_error
 from megatron_grpo.convert.writer import copy_hf_assets
 from megatron_grpo.errors import CheckpointError
-from megatron_grpo.models.builder import unwrap
 from megatron_grpo.models.hf_config import MODEL_CONFIG_FILE, ModelConfig
 
 WEIGHTS_DIR = "model"
 ASSETS_DIR = "hf_assets"
-
-
-def _sharded_state_dict(model_chunks: Sequence[torch.nn.Module]) -> dict:
-    chunks = [unwrap(c) for c in model_chunks]
-    if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}  # megatron-LM's VPP keys
 
 
 def save_megatron_checkpoint(model_chunks: Sequence[torch.nn.Module], cfg: ModelConfig, out_dir: str | Path,
@@ -50,7 +43,7 @@ def save_megatron_checkpoint(model_chunks: Sequence[torch.nn.Module], cfg: Model
         if assets_from is not None:
             copy_hf_assets(assets_from, staging / ASSETS_DIR)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(model_chunks), str(staging / WEIGHTS_DIR))
+    dist_checkpointing.save(model_sharded_state_dict(model_chunks), str(staging / WEIGHTS_DIR))
     dist.barrier()
     if rank == 0:
         if out_dir.exists():
@@ -81,28 +74,17 @@ def load_model_weights(model_chunks: Sequence[torch.nn.Module], weights_dir: str
     checkpoint (model_optim/) stays on disk. Any failure, on any rank, is one CheckpointError."""
     from megatron.core import dist_checkpointing
 
-    from megatron_grpo.convert.sources import DIST_METADATA, check_shard_sizes, dcp_errors
+    from megatron_grpo.convert.sources import DIST_METADATA, check_shard_sizes
+    from megatron_grpo.launch.safe_dcp import dcp_bytes_weights_only
 
     weights = Path(weights_dir)
     if not (weights / DIST_METADATA).is_file():
         raise CheckpointError(f"{weights}: no dist_checkpointing {DIST_METADATA}; incomplete checkpoint?")
     check_shard_sizes(weights)
-    sharded = _sharded_state_dict(model_chunks)
     try:
-        loaded = dist_checkpointing.load(sharded, str(weights))
-    except dcp_errors() as exc:  # megatron / torch DCP raise assorted errors for bad or mismatched shards
-        raise CheckpointError(f"{weights}: cannot load into this model ({type(exc).__name__}: {_first_line(exc)}); "
+        with dcp_bytes_weights_only():
+            loaded = dist_checkpointing.load(model_sharded_state_dict(model_chunks), str(weights))
+    except READ_ERRORS as exc:  # megatron / torch DCP raise assorted errors for bad or mismatched shards
+        raise CheckpointError(f"{weights}: cannot load into this model ({short_error(exc)}); "
                               f"a shard file is missing, damaged or from another model") from None
-    for key, chunk in zip(list(sharded), model_chunks):
-        unwrap(chunk).load_state_dict(loaded[key])
-
-
-def _first_line(exc: BaseException) -> str:
-    """One line for an error whose text may hold whole tracebacks: DCP's CheckpointException
-    carries each failing rank's exception; the first one says what went wrong."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, (inner, _trace) = next(iter(sorted(failures.items())))
-        return f"rank {rank}: {type(inner).__name__}: {_first_line(inner)}"
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0].strip() if lines else repr(exc)
+    load_model_state(model_chunks, loaded)

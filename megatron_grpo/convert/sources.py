@@ -18,19 +18,19 @@ matter.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from megatron_grpo.checkpointing.layout import (COMPLETE_MARKER, CONFIG_FILE, INITIAL_MODEL_DIR, MODEL_OPTIM_DIR,
+                                                STEP_DIR, validate_checkpoint)
 from megatron_grpo.convert.megatron_checkpoint import ASSETS_DIR, WEIGHTS_DIR
 from megatron_grpo.errors import CheckpointError
 from megatron_grpo.models.hf_config import MODEL_CONFIG_FILE, ModelConfig
 
 DIST_METADATA = "metadata.json"     # megatron dist_checkpointing's marker in a torch_dist folder
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 _EXPECTED = ("expected a run folder (with checkpoints/), a checkpoints folder (step_N/), a step_N folder, "
              "its model_optim/, or a `convert hf-to-megatron` checkpoint (megatron_grpo_model.json)")
 
@@ -65,11 +65,9 @@ def resolve_source(path: str | Path, step: int | None = None,
         return _convert_source(path, step)
     if path.name == WEIGHTS_DIR and is_convert_checkpoint(path.parent):
         return _convert_source(path.parent, step)
-    from megatron_grpo.trainer.checkpoint import COMPLETE_MARKER, MODEL_OPTIM_DIR  # not at import: no cycle
-
-    if path.name == MODEL_OPTIM_DIR and _STEP_DIR.match(path.parent.name):
+    if path.name == MODEL_OPTIM_DIR and STEP_DIR.match(path.parent.name):
         return _step_source(path.parent, step, hf_reference)
-    if _STEP_DIR.match(path.name) and ((path / MODEL_OPTIM_DIR).exists() or (path / COMPLETE_MARKER).exists()):
+    if STEP_DIR.match(path.name) and ((path / MODEL_OPTIM_DIR).exists() or (path / COMPLETE_MARKER).exists()):
         return _step_source(path, step, hf_reference)
     for root in (path, path / "checkpoints"):
         if _step_folders(root):
@@ -91,12 +89,10 @@ def _step_folders(root: Path) -> dict[int, Path]:
     if not root.is_dir():
         return {}
     return {int(m.group(1)): child for child in root.iterdir()
-            if (m := _STEP_DIR.match(child.name)) and child.is_dir()}
+            if (m := STEP_DIR.match(child.name)) and child.is_dir()}
 
 
 def _pick_step(root: Path, step: int | None) -> Path:
-    from megatron_grpo.trainer.checkpoint import validate_checkpoint
-
     steps = _step_folders(root)
     if step is not None:
         if step not in steps:
@@ -113,9 +109,7 @@ def _pick_step(root: Path, step: int | None) -> Path:
 
 
 def _step_source(step_dir: Path, step: int | None, hf_reference: str | Path | None) -> MegatronSource:
-    from megatron_grpo.trainer.checkpoint import COMPLETE_MARKER, CONFIG_FILE, MODEL_OPTIM_DIR, validate_checkpoint
-
-    number = int(_STEP_DIR.match(step_dir.name).group(1))
+    number = int(STEP_DIR.match(step_dir.name).group(1))
     if step is not None and step != number:
         raise CheckpointError(f"{step_dir}: --step {step} contradicts the folder (step {number}); pass the run "
                               f"or checkpoints folder to choose a step")
@@ -163,9 +157,9 @@ def _run_model_folder(step_dir: Path, recorded: dict) -> Path:
         return model_path
     candidates = []
     if recorded["save_dir"] is None and step_dir.parent.name == "checkpoints":
-        candidates.append(step_dir.parent.parent / "initial_model")  # the run folder, even if it was moved
+        candidates.append(step_dir.parent.parent / INITIAL_MODEL_DIR)  # the run folder, even if it was moved
     if recorded["output_dir"]:
-        candidates.append(Path(recorded["output_dir"]) / "initial_model")
+        candidates.append(Path(recorded["output_dir"]) / INITIAL_MODEL_DIR)
     if model_path is not None:
         candidates.append(model_path)
     for candidate in candidates:
@@ -181,20 +175,14 @@ def _require_torch_dist(weights: Path) -> None:
         raise CheckpointError(f"{weights}: not a complete torch_dist checkpoint (no {DIST_METADATA} / .metadata)")
 
 
-def dcp_errors() -> tuple[type[BaseException], ...]:
-    """What reading a torch_dist folder can raise: torch DCP's CheckpointException derives from
-    BaseException, so `except Exception` alone lets it through as a traceback."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return (Exception, CheckpointException)
-
-
 def _torch_dist_metadata(weights: Path):
     from torch.distributed.checkpoint import FileSystemReader
 
+    from megatron_grpo.checkpointing.sharded import READ_ERRORS
+
     try:
         return FileSystemReader(str(weights)).read_metadata()
-    except dcp_errors() as exc:
+    except READ_ERRORS as exc:
         raise CheckpointError(f"{weights / '.metadata'}: unreadable ({type(exc).__name__}: {exc})") from None
 
 

@@ -14,6 +14,10 @@ from megatron_grpo.errors import CheckpointError, ConfigError
 T = TypeVar("T")
 
 
+def batches_per_epoch(num_items: int, batch_size: int, drop_last: bool = True) -> int:
+    return num_items // batch_size if drop_last else -(-num_items // batch_size)
+
+
 class PromptSampler(Generic[T]):
     """Yields lists of `batch_size` items. drop_last=True skips each epoch's incomplete last batch,
     so every batch has the same size; max_epochs=None never stops."""
@@ -38,8 +42,7 @@ class PromptSampler(Generic[T]):
 
     @property
     def batches_per_epoch(self) -> int:
-        n = len(self.items)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return batches_per_epoch(len(self.items), self.batch_size, self.drop_last)
 
     def epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.items)))

@@ -1,16 +1,19 @@
 """megatron-core on a CPU-only torch build (gloo, no CUDA).
 
-This is the only module in the project that patches megatron-core or torch.cuda. Every patch
-below answers one measured failure of megatron-core 0.16.1 (and 0.19.2) on CPU; see
-shared/reference/megatron-core-on-cpu.md for the traces. `apply_cpu_compat()` is idempotent and
-does nothing when CUDA is available, so GPU runs see an unmodified megatron-core.
+Process-wide patches of megatron-core and torch.cuda for a CPU-only run live here (the other
+places that replace third-party code are listed in docs/architecture.md, "Patches"). Every patch
+below answers one measured failure of megatron-core 0.16.1 (and 0.19.2) on CPU, named in the list
+below; tests/test_megatron_cpu.py runs each path. `apply_cpu_compat()` is idempotent and does
+nothing when CUDA is available, so GPU runs see an unmodified megatron-core.
 
 What each patch fixes:
   rng       CudaRNGStatesTracker stores torch.cuda RNG states; every attention forward forks it.
             We keep megatron's fork/restore semantics on the CPU default generator.
   device    torch.cuda.current_device() is used to place buffers (RoPE, SP, DDP, p2p).
   sync      torch.cuda.synchronize() in dist_checkpointing saves and p2p; CPU ops are synchronous.
-  stream    torch.cuda.current_stream() in DDP grad sync (megatron-core >= 0.19).
+  stream    torch.cuda.current_stream() in DDP grad sync (megatron-core >= 0.19); torch.cuda.Stream()
+            made by the MoE all-to-all token dispatcher for its device-to-host copies of the
+            token counts, whose recorded event it synchronizes on (CPU tensors: nothing to wait for).
   mask      get_default_causal_mask() allocates on "cuda"; it also runs inside backward
             (activation recompute), where a TorchFunctionMode is not active, so it is patched
             directly rather than relying on the mode.
@@ -126,7 +129,21 @@ def _silence_cpu_rng_warning() -> None:
     logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropCpuRngWarning())
 
 
+class _NullEvent:
+    def synchronize(self):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def query(self):
+        return True
+
+
 class _NullStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
     def wait_event(self, *args, **kwargs):
         pass
 
@@ -137,13 +154,14 @@ class _NullStream:
         pass
 
     def record_event(self, *args, **kwargs):
-        return None
+        return _NullEvent()
 
 
 def _patch_torch_cuda_functions() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.current_stream = lambda *args, **kwargs: _NullStream()
+    torch.cuda.Stream = _NullStream  # torch.cuda.stream(s) is a no-op without CUDA
 
 
 def _patch_causal_mask() -> None:

@@ -1,46 +1,29 @@
-"""Training checkpoints: save every K steps / on a stop signal, resume from the newest complete one.
+"""Training checkpoints: the whole training state saved every K steps / on a stop signal, and the
+best checkpoint of the run's resume plan restored.
 
-Layout of one checkpoint (all of it is written under <save_dir>/.tmp-step_N, then renamed):
-
-    <save_dir>/step_N/
-      model_optim/          megatron dist_checkpointing (torch_dist): model chunks + optimizer
-                            (the model part loads at any TP/PP/DP; the distributed optimizer's
-                            state in the format launch/mcore_compat.py asks for, recorded in
-                            trainer_state.json: 'fully_reshardable' loads at any layout,
-                            'dp_reshardable' only at the same TP x PP)
-      trainer_state.json    step, LR scheduler, sampler position, engine weight version, skip
-                            counters, layout and optimizer format
-      rng/tp{t}-pp{p}-cp{c}-dp{d}.pt   python / numpy / torch / megatron-tracker RNG states of that rank
-      config.yaml           the resolved config of the run that wrote it
-      run.json              what defines the run (trainer/run_folder.py)
-      hf/                   with checkpoint.save_hf: the policy as an HF folder
-      complete.json         written last: the step and the size of every file above
-    <save_dir>/latest       "step_N", replaced atomically (write a temp file, os.replace)
-
-Crash safety: a crash before the rename leaves only a .tmp-step_N folder, which is never loaded
-(and removed by the next save); a crash after it leaves a complete step_N. Resume (auto) takes the
-newest step_N whose complete.json is valid and whose files all have the recorded sizes; any other
-is skipped with a warning that names it, and a checkpoint that megatron then fails to read is
-skipped the same way (if no older one loads, that is an error: DCP reads into the live model in
-place, so a failed read leaves it half overwritten). Whether a checkpoint belongs to this run, fits its model and data, and can
-be resharded to its layout is checked before anything is restored (trainer/resume_plan.py).
-Old checkpoints (keep_last) are renamed to .trash-step_N before deletion.
+The files of one checkpoint and what makes it complete: checkpointing/layout.py. Everything is
+written under <save_dir>/.tmp-step_N, then renamed: a crash before the rename leaves only a
+.tmp-step_N folder, which is never loaded (and removed by the next save); a crash after it leaves a
+complete step_N. Whether a checkpoint belongs to this run, fits its model and data, and can be
+resharded to its layout is checked before anything is restored (trainer/resume_plan.py); a
+checkpoint that megatron then fails to read is skipped (if no older one loads, that is an error: DCP
+reads into the live model in place, so a failed read leaves it half overwritten). Old checkpoints
+(keep_last) are renamed to .trash-step_N before deletion. What happens around a restore (the
+engine's weights, metrics.jsonl) is trainer/resume.py's.
 
 Security: nothing here unpickles arbitrary objects. Our files are JSON, YAML and torch.load(...,
 weights_only=True); megatron's torch_dist files are read with torch's DCP, whose byte-object
-reader (torch.load(weights_only=False)) is switched to weights_only=True while we load.
+reader is switched to weights_only=True while we load (launch/safe_dcp.py).
 
 Every function here is a collective over all ranks unless it says otherwise.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
 import os
 import random
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,61 +31,19 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_grpo.checkpointing import layout
+from megatron_grpo.checkpointing.layout import (COMPLETE_MARKER, CONFIG_FILE, FORMAT_VERSION, LATEST_FILE,
+                                                LEFTOVER_PREFIXES, MODEL_OPTIM_DIR, MODEL_SPACE, RNG_DIR, RUN_FILE,
+                                                TRAINER_STATE, checkpoint_root, fsync_path, list_checkpoints,
+                                                step_dir_name, write_atomic)
+from megatron_grpo.checkpointing.sharded import (READ_ERRORS, load_model_state, model_sharded_state_dict,
+                                                 short_error)
 from megatron_grpo.errors import CheckpointError
-from megatron_grpo.launch.distributed import broadcast_from_rank0
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-MODEL_OPTIM_DIR = "model_optim"
-TRAINER_STATE = "trainer_state.json"
-CONFIG_FILE = "config.yaml"
-COMPLETE_MARKER = "complete.json"
-LATEST_FILE = "latest"
-RNG_DIR = "rng"
-RUN_FILE = "run.json"  # run_folder.RUN_FILE
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-MODEL_SPACE = "model_space"  # a non-distributed megatron optimizer: state keyed like the model
-LAYOUT_RESHARDABLE = ("fully_reshardable", MODEL_SPACE)  # optimizer formats that load at any TP/PP
-# torch DCP reports a failed collective read as CheckpointException, a BaseException.
-READ_ERRORS = (Exception, CheckpointException)
-
-
 # ----------------------------------------------------------------------------- small helpers
-
-
-def checkpoint_root(cfg) -> Path:
-    return Path(cfg.checkpoint.save_dir or Path(cfg.logging.output_dir) / "checkpoints")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step}"
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    """Writes and fsyncs one file (a separate function so tests can make it fail)."""
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replaces `path` atomically: a reader sees the old or the new content, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    _write_file(tmp, data)
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
 
 
 def _rank_coordinates() -> dict[str, int]:
@@ -134,24 +75,18 @@ def _agree(ok: bool, message: str, error: type[CheckpointError] = CheckpointErro
 # ----------------------------------------------------------------------------- state pieces
 
 
-def _sharded_state_dict(run, *, is_loading: bool, optimizer_format: str | None = None) -> dict:
-    """Model chunks + optimizer as megatron sharded state dicts. Loading passes the format the
-    checkpoint's optimizer state was saved in."""
+def training_sharded_state_dict(run, *, is_loading: bool, optimizer_format: str | None = None) -> dict:
+    """Model chunks (checkpointing/sharded.py's keys) + "optimizer", as megatron sharded state
+    dicts. Loading passes the format the checkpoint's optimizer state was saved in."""
     from megatron_grpo.launch import mcore_compat
-    from megatron_grpo.models.builder import unwrap
 
-    chunks = [unwrap(c) for c in run.policy]
-    if len(chunks) == 1:
-        state = {"model": chunks[0].sharded_state_dict()}
-    else:  # megatron-LM's key names for virtual pipeline chunks
-        state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
-    model_keys = list(state)
+    state = model_sharded_state_dict(run.policy)
     # Only a checkpoint in another distributed format than the one saved now asks for it by name.
     default = mcore_compat.DIST_OPTIMIZER_CKPT_METADATA["distrib_optim_sharding_type"]
     other = {} if optimizer_format in (None, default, MODEL_SPACE) else {"sharding_type": optimizer_format}
     state["optimizer"] = mcore_compat.optimizer_sharded_state_dict(_inner_optimizer(run.optimizer), dict(state),
                                                                    is_loading=is_loading, **other)
-    return state, model_keys
+    return state
 
 
 def optimizer_format(optimizer_state: dict) -> str:
@@ -166,7 +101,7 @@ def optimizer_format(optimizer_state: dict) -> str:
 
 
 def _inner_optimizer(optimizer):
-    """The megatron optimizer under our NonFiniteUpdateGuard (signals.py), if any."""
+    """The megatron optimizer under our NonFiniteUpdateGuard (update_guard.py), if any."""
     return getattr(optimizer, "inner", optimizer)
 
 
@@ -201,79 +136,17 @@ def set_rng_state(state: dict) -> None:
     tracker.set_states({k: v.clone() for k, v in state["megatron_tracker"].items()})
 
 
-# ----------------------------------------------------------------------------- finding checkpoints
+# ----------------------------------------------------------------------------- the checkpointer
 
 
 @dataclass(frozen=True)
-class Found:
+class Restored:
+    """What a restore brought back: the checkpoint, its step, and the weight version the rollout
+    engine held when it was saved (the version its weights are pushed as again)."""
+
     path: Path
     step: int
-
-
-def validate_checkpoint(path: Path) -> str | None:
-    """Rank-local check of one step folder. Returns why it is not loadable, or None when it is
-    complete: the marker parses, names this step, and every recorded file has its recorded size."""
-    marker = path / COMPLETE_MARKER
-    if not marker.is_file():
-        return f"no {COMPLETE_MARKER} (the save did not finish)"
-    try:
-        info = json.loads(marker.read_text())
-        step, files = int(info["step"]), dict(info["files"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"{COMPLETE_MARKER} is unreadable ({type(exc).__name__}: {exc})"
-    match = _STEP_DIR.match(path.name)
-    if match and int(match.group(1)) != step:
-        return f"{COMPLETE_MARKER} says step {step}, the folder name says {match.group(1)}"
-    for rel, size in files.items():
-        target = path / rel
-        if not target.is_file():
-            return f"{rel} is missing"
-        if target.stat().st_size != size:
-            return f"{rel} has {target.stat().st_size} bytes, {size} were written"
-    return None
-
-
-def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """step_N folders under root, newest first (rank-local)."""
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and child.is_dir():
-            found.append((int(match.group(1)), child))
-    return sorted(found, reverse=True)
-
-
-def complete_checkpoints(cfg) -> list[Found]:
-    """Rank 0: checkpoints to try (checkpoint.resume), best first, after warning about every one
-    that is skipped."""
-    resume = cfg.checkpoint.resume.strip()
-    if resume == "never":
-        return []
-    if resume not in ("auto", "force"):
-        path = Path(resume)
-        if not path.is_dir():
-            raise CheckpointError(f"checkpoint.resume={resume}: no such checkpoint folder")
-        problem = validate_checkpoint(path)
-        if problem:
-            raise CheckpointError(f"checkpoint.resume={resume}: not a complete checkpoint: {problem}")
-        return [Found(path, int(json.loads((path / COMPLETE_MARKER).read_text())["step"]))]
-    root = checkpoint_root(cfg)
-    if root.is_dir():
-        for leftover in sorted(p for p in root.iterdir() if p.name.startswith((".tmp-", ".trash-"))):
-            log.warning("checkpoint: ignoring %s (an interrupted save or deletion; removed at the next save)", leftover)
-    out = []
-    for step, path in list_checkpoints(root):
-        problem = validate_checkpoint(path)
-        if problem:
-            log.warning("checkpoint: skipping %s: %s", path, problem)
-        else:
-            out.append(Found(path, step))
-    return out
-
-
-# ----------------------------------------------------------------------------- the checkpointer
+    engine_weight_version: int
 
 
 class Checkpointer:
@@ -305,7 +178,7 @@ class Checkpointer:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 for leftover in self.root.iterdir():
-                    if leftover.name.startswith((".tmp-", ".trash-")):
+                    if leftover.name.startswith(LEFTOVER_PREFIXES):
                         shutil.rmtree(leftover, ignore_errors=True)
                 (tmp / RNG_DIR).mkdir(parents=True)
                 (tmp / MODEL_OPTIM_DIR).mkdir()
@@ -314,7 +187,7 @@ class Checkpointer:
         _agree(ok, message)
 
         try:
-            state, _ = _sharded_state_dict(self.run, is_loading=False)
+            state = training_sharded_state_dict(self.run, is_loading=False)
             dist_checkpointing.save(state, str(tmp / MODEL_OPTIM_DIR))
             if self.cfg.checkpoint.save_hf:  # a collective: every rank sends its shards to rank 0
                 from megatron_grpo.convert.to_hf import write_hf_export
@@ -322,18 +195,17 @@ class Checkpointer:
                 write_hf_export(self.run, tmp)
             coords = _rank_coordinates()
             buffer = _torch_bytes(rng_state())
-            _write_file(tmp / RNG_DIR / _rng_file(coords), buffer)
+            layout.write_file(tmp / RNG_DIR / _rng_file(coords), buffer)
             # each rank makes its own megatron shard files durable; rank 0 the shared ones
             for shard in (tmp / MODEL_OPTIM_DIR).glob(f"__{rank}_*"):
-                _fsync_path(shard)
+                fsync_path(shard)
             if rank == 0:
                 trainer_state = self._trainer_state(step, optimizer_format(state["optimizer"]))
-                _write_file(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1).encode())
+                layout.write_file(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1).encode())
                 from megatron_grpo.config import to_yaml
 
-                _write_file(tmp / CONFIG_FILE, to_yaml(self.cfg).encode())
-                if self.run.record is not None:
-                    _write_file(tmp / RUN_FILE, (json.dumps(self.run.record, indent=1) + "\n").encode())
+                layout.write_file(tmp / CONFIG_FILE, to_yaml(self.cfg).encode())
+                layout.write_file(tmp / RUN_FILE, (json.dumps(self.run.record, indent=1) + "\n").encode())
         except READ_ERRORS as exc:  # noqa: BLE001 - turned into one CheckpointError on every rank
             ok, message = False, self._failure(step, exc)
         _agree(ok, message)
@@ -342,19 +214,19 @@ class Checkpointer:
             try:
                 for path in tmp.rglob("*"):
                     if path.is_file() and not path.name.startswith("__"):
-                        _fsync_path(path)
+                        fsync_path(path)
                 files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
                 marker = {"format": FORMAT_VERSION, "step": step, "world_size": dist.get_world_size(),
                           "files": files}
-                _write_file(tmp / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())
+                layout.write_file(tmp / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())
                 for sub in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
-                    _fsync_path(sub)
+                    fsync_path(sub)
                 if final.exists():  # e.g. a corrupt step_N that resume skipped
                     trash = self.root / f".trash-{final.name}"
                     os.replace(final, trash)
                     shutil.rmtree(trash, ignore_errors=True)
                 os.replace(tmp, final)
-                _fsync_path(self.root)
+                fsync_path(self.root)
                 write_atomic(self.root / LATEST_FILE, (final.name + "\n").encode())
             except Exception as exc:  # noqa: BLE001
                 ok, message = False, self._failure(step, exc)
@@ -386,8 +258,8 @@ class Checkpointer:
             "format": FORMAT_VERSION,
             "step": step,
             "scheduler": run.scheduler.state_dict(),
-            "sampler": run.sampler.state_dict() if run.sampler is not None else None,
-            "engine_weight_version": run.engine.weight_version if run.engine is not None else step,
+            "sampler": run.sampler.state_dict() if run.is_main else None,
+            "engine_weight_version": run.engine.weight_version if run.is_main else step,
             "skipped_updates": guard.state_dict() if guard is not None else None,
             "layout": {"world_size": dist.get_world_size(), **_layout(),
                        "vpp": self.cfg.parallel.virtual_pipeline},
@@ -402,17 +274,17 @@ class Checkpointer:
             os.replace(path, trash)
             shutil.rmtree(trash, ignore_errors=True)
 
-    # ----- resuming -----------------------------------------------------------------------------
-    def resume(self) -> int:
+    # ----- restoring ----------------------------------------------------------------------------
+    def restore(self) -> Restored | None:
         """Restores the best checkpoint of run.resume_plan (checked by resume_plan.py before the
-        model was built), applies this config's hyperparameters on top, and pushes the weights
-        to the rollout engine. Returns the step it ended at (0 when starting fresh)."""
+        model was built) and applies this config's hyperparameters on top; None when there is
+        none to restore (a fresh start)."""
         from megatron_grpo.trainer.resume_plan import explicit
 
         half_read = []  # checkpoints whose read failed after writing into the live model
         for candidate in self.run.resume_plan:
             try:
-                step, version = self._load(candidate)
+                restored = self._load(candidate)
             except CheckpointError as exc:
                 if explicit(self.cfg):
                     raise
@@ -421,16 +293,12 @@ class Checkpointer:
                 if isinstance(exc, PartlyReadError):
                     half_read.append(f"{candidate.path} ({exc})")
                 continue
-            from megatron_grpo.trainer.weight_sync import sync_weights
-
-            sync_weights(self.run, version=version)
             if dist.get_rank() == 0:
-                log.info("checkpoint: resumed from %s (step %d)", candidate.path, step)
+                log.info("checkpoint: resumed from %s (step %d)", candidate.path, restored.step)
                 if candidate.changes:
                     log.info("checkpoint: changed since that checkpoint (the new values apply): %s",
                              "; ".join(candidate.changes))
-                _trim_metrics(Path(self.cfg.logging.output_dir) / "metrics.jsonl", step)
-            return step
+            return restored
         if half_read:  # starting afresh would train a mix of initial and checkpoint weights
             raise CheckpointError(
                 f"no checkpoint could be loaded, and reading {'; '.join(half_read)} overwrote part of the model "
@@ -438,15 +306,14 @@ class Checkpointer:
                 f"(or start afresh with checkpoint.resume=never logging.overwrite=true)")
         if dist.get_rank() == 0 and self.cfg.checkpoint.resume.strip() in ("auto", "force"):
             log.info("checkpoint: no complete checkpoint under %s; starting from step 0", self.root)
-            _trim_metrics(Path(self.cfg.logging.output_dir) / "metrics.jsonl", 0)  # a crashed earlier life's
-        return 0
+        return None
 
-    def _load(self, candidate) -> tuple[int, int]:
+    def _load(self, candidate) -> Restored:
         """Reads everything first; the live model is modified only once every read succeeded."""
         from megatron.core import dist_checkpointing
 
         from megatron_grpo.launch.cpu import fix_torch_adam_step_after_load, prepare_torch_adam_for_load
-        from megatron_grpo.models.builder import unwrap
+        from megatron_grpo.launch.safe_dcp import dcp_bytes_weights_only
         from megatron_grpo.trainer.resume_plan import saved_optimizer_format
 
         path, trainer_state = candidate.path, candidate.trainer_state
@@ -460,18 +327,17 @@ class Checkpointer:
         optimizer = _inner_optimizer(self.run.optimizer)
         prepare_torch_adam_for_load(optimizer)
         hyperparameters = _param_group_hyperparameters(optimizer)  # this config's, before the load
-        state, model_keys = _sharded_state_dict(self.run, is_loading=True,
-                                                optimizer_format=saved_optimizer_format(candidate))
+        state = training_sharded_state_dict(self.run, is_loading=True,
+                                            optimizer_format=saved_optimizer_format(candidate))
         try:  # DCP reads into the live parameters (and optimizer buffers) in place
-            with _dcp_bytes_weights_only():
+            with dcp_bytes_weights_only():
                 loaded = dist_checkpointing.load(state, str(path / MODEL_OPTIM_DIR))
         except READ_ERRORS as exc:  # noqa: BLE001 - megatron/DCP raise assorted errors for bad shards
             ok, message = False, f"cannot read {path / MODEL_OPTIM_DIR} ({short_error(exc)})"
         _agree(ok, message, PartlyReadError)
 
         # From here on failures are fatal, not skippable.
-        for key, chunk in zip(model_keys, self.run.policy):
-            unwrap(chunk).load_state_dict(loaded[key])
+        load_model_state(self.run.policy, loaded)
         with torch.no_grad():  # megatron copies into views of leaf parameters
             optimizer.load_state_dict(loaded["optimizer"])
         fix_torch_adam_step_after_load(optimizer)
@@ -480,14 +346,15 @@ class Checkpointer:
         for group, values in zip(optimizer.param_groups, hyperparameters):
             group.update(values)
         self.run.scheduler.step(increment=int(trainer_state["scheduler"]["num_steps"]))
-        if self.run.sampler is not None and candidate.sampler_state is not None:
+        if self.run.is_main and candidate.sampler_state is not None:
             self.run.sampler.load_state_dict(candidate.sampler_state)
         guard = self.run.optimizer if hasattr(self.run.optimizer, "inner") else None
         if guard is not None and trainer_state.get("skipped_updates"):
             guard.load_state_dict(trainer_state["skipped_updates"])
         if rng is not None:
             set_rng_state(rng)
-        return int(trainer_state["step"]), int(trainer_state.get("engine_weight_version", trainer_state["step"]))
+        step = int(trainer_state["step"])
+        return Restored(path=path, step=step, engine_weight_version=int(trainer_state.get("engine_weight_version", step)))
 
     def _read_rng(self, path: Path, trainer_state: dict) -> dict | None:
         coords = _rank_coordinates()
@@ -502,18 +369,6 @@ class Checkpointer:
             log.warning("checkpoint: %s has no RNG state for this layout (saved %s, now %s); RNG states start "
                         "fresh from trainer.seed", path, trainer_state.get("layout"), _layout())
         return None
-
-
-def short_error(exc: BaseException) -> str:
-    """'Type: first line' of an error; for torch DCP's CheckpointException (which carries every
-    failing rank's traceback in its text), of the first rank's underlying error."""
-    failures = getattr(exc, "failures", None) if isinstance(exc, CheckpointException) else None
-    if failures:
-        rank, failure = next(iter(sorted(failures.items())))
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        return f"rank {rank}: {short_error(inner)}"
-    first_line = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {first_line}"
 
 
 def _param_group_hyperparameters(optimizer) -> list[dict]:
@@ -534,41 +389,3 @@ def _torch_bytes(obj) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
-
-
-@contextlib.contextmanager
-def _dcp_bytes_weights_only():
-    """torch DCP loads non-tensor entries with torch.load(weights_only=False); make it safe."""
-    from torch.distributed.checkpoint import default_planner
-
-    original = default_planner.DefaultLoadPlanner.load_bytes
-
-    def load_bytes(self, read_item, value):
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-    default_planner.DefaultLoadPlanner.load_bytes = load_bytes
-    try:
-        yield
-    finally:
-        default_planner.DefaultLoadPlanner.load_bytes = original
-
-
-def _trim_metrics(path: Path, step: int) -> None:
-    """Rank 0: drops metrics.jsonl records after the resumed step (they are logged again)."""
-    if not path.is_file():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = []
-    for line in lines:
-        try:
-            if int(json.loads(line)["step"]) > step:
-                continue
-        except (ValueError, KeyError, TypeError):
-            continue  # a line cut by the crash
-        kept.append(line if line.endswith("\n") else line + "\n")
-    if len(kept) != len(lines):
-        write_atomic(path, "".join(kept).encode("utf-8"))

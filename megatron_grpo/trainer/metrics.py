@@ -13,6 +13,8 @@ from pathlib import Path
 
 from megatron_grpo.optional import require
 
+METRICS_FILE = "metrics.jsonl"
+
 # What the progress bar shows, in order (short label -> metric key).
 PROGRESS_FIGURES = {
     "reward": "reward/mean",
@@ -30,14 +32,15 @@ class SinkOptions:
     tensorboard: bool = False
     wandb_project: str | None = None
     wandb_run_name: str | None = None
-    run_config: dict | None = None  # stored with W&B runs; secrets must be removed by the caller
+    run_config: dict | None = None  # stored with W&B runs (the resolved config: it holds no secrets,
+                                    # only the names of the environment variables that do)
 
 
 class MetricsLogger:
     def __init__(self, options: SinkOptions, total_steps: int, start_step: int = 0):
         self.output_dir = Path(options.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl_path = self.output_dir / "metrics.jsonl"
+        self.jsonl_path = self.output_dir / METRICS_FILE
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
         self._bar = None
         if options.console:
@@ -134,3 +137,24 @@ def plot_reward_curve(jsonl_path: str | os.PathLike, png_path: str | os.PathLike
     fig.savefig(png_path)
     plt.close(fig)
     return Path(png_path)
+
+
+def trim_metrics(path: str | os.PathLike, step: int) -> None:
+    """Drops metrics.jsonl records after `step` (a resumed run logs them again), and lines a crash
+    cut short; replaces the file atomically. Rank 0."""
+    from megatron_grpo.checkpointing.layout import write_atomic
+
+    path = Path(path)
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            if int(json.loads(line)["step"]) > step:
+                continue
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut by the crash
+        kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines):
+        write_atomic(path, "".join(kept).encode("utf-8"))

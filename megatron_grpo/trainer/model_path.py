@@ -1,11 +1,14 @@
-"""model.path -> a local model folder, or one clear error: a local HF folder (config.json), a
-`convert hf-to-megatron` checkpoint, or a Hugging Face hub id, fetched into (or found in) the hub
-cache before anything reads it."""
+"""The HF folder the policy starts from: model.path (a local HF folder (config.json), a `convert
+hf-to-megatron` checkpoint, or a Hugging Face hub id, fetched into (or found in) the hub cache
+before anything reads it), else <output_dir>/initial_model (trainer/initial_model.py); one clear
+error otherwise."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from megatron_grpo.checkpointing.layout import COMPLETE_MARKER, INITIAL_MODEL_DIR, MODEL_OPTIM_DIR
+from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError
 
 # What the trainer, its tokenizer and the rollout engine read from a hub snapshot (not *.bin /
@@ -13,6 +16,43 @@ from megatron_grpo.errors import ConfigError
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 _EXPECTED = ("expected an HF model folder (config.json + *.safetensors), a `megatron-grpo convert "
              "hf-to-megatron` checkpoint, or a Hugging Face hub id")
+
+
+def prepare_model_folder(cfg: Config, output_dir: Path) -> Path:
+    """Collective: the HF folder the policy starts from (model.path, or initial_model/ built on
+    rank 0 if it is missing or stale)."""
+    from megatron_grpo.launch.distributed import on_rank0
+
+    if cfg.model.path:  # an HF folder, or a `convert hf-to-megatron` checkpoint (exported to initial_model/)
+        from megatron_grpo.convert.model_folder import hf_model_folder
+
+        return hf_model_folder(_resolved_model_path(cfg.model.path), output_dir)
+    from megatron_grpo.trainer.initial_model import ensure_initial_model
+
+    target = output_dir / INITIAL_MODEL_DIR
+    on_rank0(ensure_initial_model, cfg, target)
+    return target
+
+
+def _resolved_model_path(value: str) -> Path:
+    """Rank 0 resolves model.path first (one hub download, its error on every rank); the others
+    then find it in the cache (or download to their node's)."""
+    import torch.distributed as dist
+
+    from megatron_grpo.launch.distributed import on_rank0
+
+    path = on_rank0(local_model_folder, value)
+    return path if dist.get_rank() == 0 else local_model_folder(value)
+
+
+def check_context_length(cfg: Config, model_config, model_dir: Path) -> None:
+    """A prompt plus its response must fit the model's context, checked before any weights are
+    loaded (the model was not built for positions beyond it)."""
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if longest > model_config.max_position_embeddings:
+        raise ConfigError(f"data.max_prompt_length + data.max_response_length = {cfg.data.max_prompt_length} + "
+                          f"{cfg.data.max_response_length} = {longest} tokens exceed the model's context of "
+                          f"{model_config.max_position_embeddings} (max_position_embeddings in {model_dir})")
 
 
 def local_model_folder(value: str) -> Path:
@@ -23,7 +63,7 @@ def local_model_folder(value: str) -> Path:
     if path.is_dir():
         if (path / "config.json").is_file() or is_convert_checkpoint(path):
             return path
-        if (path / "complete.json").is_file() and (path / "model_optim").is_dir():
+        if (path / COMPLETE_MARKER).is_file() and (path / MODEL_OPTIM_DIR).is_dir():
             raise ConfigError(f"model.path={value} is a training checkpoint: continue it with "
                               f"checkpoint.resume={value}, or make an HF folder of it with "
                               f"`megatron-grpo export {value} --out HF_DIR`")

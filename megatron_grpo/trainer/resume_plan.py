@@ -22,12 +22,12 @@ from typing import Any
 
 import yaml
 
+from megatron_grpo.checkpointing import layout
+from megatron_grpo.checkpointing.layout import LAYOUT_RESHARDABLE, MODEL_SPACE, RUN_FILE
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import CheckpointError
-from megatron_grpo.trainer import checkpoint as ckpt
 from megatron_grpo.trainer.run_folder import (
     DEFINING_KEYS,
-    RUN_FILE,
     RunFolderError,
     differences,
     flat_config,
@@ -70,7 +70,7 @@ def check_definitions(cfg: Config) -> list[Candidate]:
     if explicit(cfg):
         _check_destination(cfg, definition)
     candidates = []
-    for found in ckpt.complete_checkpoints(cfg):
+    for found in layout.complete_checkpoints(cfg):
         try:
             candidate = _read(found)
         except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as exc:
@@ -95,7 +95,7 @@ def check_definitions(cfg: Config) -> list[Candidate]:
 def _check_destination(cfg: Config, definition: dict[str, Any]) -> None:
     """Resuming from a checkpoint of another folder: this run's checkpoints go to its own
     checkpoint folder, which must not hold another run's (newest complete one checked)."""
-    newest = ckpt.complete_checkpoints(replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto")))[:1]
+    newest = layout.complete_checkpoints(replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto")))[:1]
     for found in newest:
         try:
             changed = differences(recorded_definition(_read(found)), definition)
@@ -112,13 +112,13 @@ def recorded_definition(candidate: Candidate) -> dict[str, Any]:
     return run_definition(candidate.saved_config)  # written before run.json existed
 
 
-def _read(found: ckpt.Found) -> Candidate:
-    trainer_state = json.loads((found.path / ckpt.TRAINER_STATE).read_text())
+def _read(found: layout.Found) -> Candidate:
+    trainer_state = json.loads((found.path / layout.TRAINER_STATE).read_text())
     if not isinstance(trainer_state, dict) or int(trainer_state["step"]) != found.step:
-        raise ValueError(f"{ckpt.TRAINER_STATE} does not describe step {found.step}")
-    saved_config = yaml.safe_load((found.path / ckpt.CONFIG_FILE).read_text())
+        raise ValueError(f"{layout.TRAINER_STATE} does not describe step {found.step}")
+    saved_config = yaml.safe_load((found.path / layout.CONFIG_FILE).read_text())
     if not isinstance(saved_config, dict):
-        raise ValueError(f"{ckpt.CONFIG_FILE} is not a mapping")
+        raise ValueError(f"{layout.CONFIG_FILE} is not a mapping")
     run_file = found.path / RUN_FILE
     record = json.loads(run_file.read_text()) if run_file.is_file() else None
     return Candidate(found.path, found.step, trainer_state, saved_config, record)
@@ -173,18 +173,18 @@ def saved_optimizer_format(candidate: Candidate) -> str:
     if fmt:
         return fmt
     distributed = candidate.saved_config.get("parallel", {}).get("use_distributed_optimizer", True)
-    return "dp_reshardable" if distributed else ckpt.MODEL_SPACE
+    return "dp_reshardable" if distributed else MODEL_SPACE
 
 
 def _check_optimizer_layout(cfg: Config, candidate: Candidate, layout: dict[str, int]) -> None:
     saved_format = saved_optimizer_format(candidate)
-    saved_distributed = saved_format != ckpt.MODEL_SPACE
+    saved_distributed = saved_format != MODEL_SPACE
     if saved_distributed != cfg.parallel.use_distributed_optimizer:
         raise RunFolderError(
             f"{candidate.path} holds a {'distributed' if saved_distributed else 'non-distributed'} optimizer "
             f"state; this run has parallel.use_distributed_optimizer={str(cfg.parallel.use_distributed_optimizer).lower()}"
             f" (set it back to resume)")
-    if saved_format in ckpt.LAYOUT_RESHARDABLE:
+    if saved_format in LAYOUT_RESHARDABLE:
         return
     saved = candidate.trainer_state.get("layout", {})
     saved_vpp = candidate.saved_config.get("parallel", {}).get("virtual_pipeline")

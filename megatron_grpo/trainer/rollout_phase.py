@@ -6,6 +6,7 @@ generation-round limit is hit, which stops the run with a clear message).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -63,7 +64,7 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
 
         start = time.perf_counter()
         by_group = {f"{step}:{rounds}:{i}": p for i, p in enumerate(prompts)}
-        result = rewards.score([_reward_request(s, by_group[s.group_id], tokenizer) for s in samples])
+        result = rewards.score([reward_request(s, by_group[s.group_id], tokenizer) for s in samples])
         timings["time/reward"] += time.perf_counter() - start
         scores = torch.tensor(result.scores, dtype=torch.float64)
         if first_round_stats is None:
@@ -103,12 +104,11 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
 def _seeded(sampling: SamplingParams, step: int, round_index: int, prompt_index: int) -> SamplingParams:
     """A reproducible seed per (step, round, prompt): reruns and resumed runs sample the same."""
     seed = (0 if sampling.seed is None else sampling.seed) * 1_000_003 + step * 10_007 + round_index * 101 + prompt_index
-    return SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                          max_new_tokens=sampling.max_new_tokens, stop=sampling.stop,
-                          stop_token_ids=sampling.stop_token_ids, ignore_eos=sampling.ignore_eos, seed=seed)
+    return dataclasses.replace(sampling, seed=seed)
 
 
-def _reward_request(sample: Sample, prompt: EncodedPrompt, tokenizer) -> RewardRequest:
+def reward_request(sample: Sample, prompt: EncodedPrompt, tokenizer) -> RewardRequest:
+    """What the reward function sees of one sample, in training and in eval alike."""
     response = tokenizer.decode(sample.response_ids, skip_special_tokens=True)
     return RewardRequest(prompt=prompt.text, response=response, ground_truth=prompt.record.ground_truth,
                          extra=dict(prompt.record.extra_info, data_source=prompt.record.data_source))

@@ -21,16 +21,16 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from megatron_grpo.checkpointing.layout import RUN_FILE, checkpoint_root, list_checkpoints, write_atomic
 from megatron_grpo.config import to_dict
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError
+from megatron_grpo.trainer.metrics import METRICS_FILE
 
 log = logging.getLogger(__name__)
 
-RUN_FILE = "run.json"
 RECORD_FORMAT = 1
 INIT_RECORD = "initialized_from.json"  # inside initial_model/
-METRICS_FILE = "metrics.jsonl"
 
 # The config keys that define a run (dotted; mappings are compared key by key).
 DEFINING_KEYS = (
@@ -78,8 +78,6 @@ def run_record(config: Config, model_config) -> dict[str, Any]:
 
 def write_run_record(output_dir: Path, record: Mapping[str, Any]) -> None:
     """Rank 0: <output_dir>/run.json, replaced atomically."""
-    from megatron_grpo.trainer.checkpoint import write_atomic
-
     write_atomic(Path(output_dir) / RUN_FILE, (json.dumps(record, indent=1) + "\n").encode())
 
 
@@ -132,8 +130,6 @@ def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def prepare_output_dir(cfg: Config) -> None:
     """Rank 0: makes logging.output_dir (and checkpoint.save_dir) usable for this run, or raises
     RunFolderError. With checkpoint.resume=never, an earlier run there is refused or moved aside."""
-    from megatron_grpo.trainer.checkpoint import checkpoint_root
-
     out = Path(cfg.logging.output_dir).expanduser().resolve()
     root = checkpoint_root(cfg).expanduser().resolve()
     folders = [("logging.output_dir", out)]
@@ -149,8 +145,6 @@ def prepare_output_dir(cfg: Config) -> None:
 
 def earlier_run(out: Path, root: Path) -> str:
     """What of an earlier run `out` (and the checkpoint root) holds, in words; '' = nothing."""
-    from megatron_grpo.trainer.checkpoint import list_checkpoints
-
     held = []
     steps = [p.name for _, p in list_checkpoints(root)]
     if steps:

@@ -1,0 +1,51 @@
+"""The run's prompts, encoded: data.train_files / data.val_files, or the synthetic task's splits."""
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_grpo.config.schema import Config
+from megatron_grpo.config.validate import training_data_problem
+from megatron_grpo.data.prompts import EncodedPrompt
+from megatron_grpo.errors import ConfigError
+
+SYNTHETIC_TRAIN_RECORDS, SYNTHETIC_EVAL_RECORDS = 4096, 128
+# data.truncation -> data.prompts.encode_prompts' policy for over-long prompts
+OVERLONG = {"error": "error", "left": "truncate_left", "right": "truncate_right", "filter": "filter"}
+
+
+def load_prompts(cfg: Config, tokenizer) -> tuple[list[EncodedPrompt], list[EncodedPrompt] | None]:
+    """Encoded train and eval prompts (eval: None without validation data)."""
+    from megatron_grpo.data.io import load_records
+    from megatron_grpo.data.prompts import encode_prompts
+
+    problem = training_data_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
+    if cfg.data.task:
+        from megatron_grpo.data.synthetic import SyntheticTaskConfig, generate_records
+
+        task = SyntheticTaskConfig(**_synthetic_kwargs(cfg))
+        train_records = generate_records(task, count=SYNTHETIC_TRAIN_RECORDS, seed=cfg.trainer.seed, split="train")
+        eval_records = generate_records(task, count=SYNTHETIC_EVAL_RECORDS, seed=cfg.trainer.seed + 1, split="test")
+    else:
+        train_records = [r for path in cfg.data.train_files for r in load_records(path)]
+        eval_records = [r for path in cfg.data.val_files for r in load_records(path)] or None
+    overlong = OVERLONG[cfg.data.truncation]
+    train, _ = encode_prompts(train_records, tokenizer, cfg.data.max_prompt_length, overlong,
+                              cfg.data.chat_template, source="train")
+    evals = None
+    if eval_records:
+        evals, _ = encode_prompts(eval_records, tokenizer, cfg.data.max_prompt_length, overlong,
+                                  cfg.data.chat_template, source="eval")
+    return train, evals
+
+
+def _synthetic_kwargs(cfg: Config) -> dict:
+    from megatron_grpo.data.synthetic import SyntheticTaskConfig
+
+    names = {f.name for f in dataclasses.fields(SyntheticTaskConfig)}
+    kwargs = dict(cfg.data.task_kwargs)
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise ConfigError(f"data.task_kwargs: unknown keys {unknown}; valid: {sorted(names - {'task'})}")
+    return {"task": cfg.data.task, **kwargs}

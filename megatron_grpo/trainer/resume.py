@@ -1,0 +1,25 @@
+"""Where a run starts: the checkpoint its resume plan restores (trainer/checkpoint.py), or step 0;
+then the rollout engine is given the weights the run continues from, and metrics.jsonl loses the
+records a crashed earlier life logged after that step."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_grpo.trainer.checkpoint import Checkpointer
+from megatron_grpo.trainer.metrics import METRICS_FILE, trim_metrics
+from megatron_grpo.trainer.weight_sync import ensure_engine_holds_the_start, sync_weights
+
+
+def resume(run, checkpointer: Checkpointer) -> int:
+    """Collective. Returns the step the run continues after (0: a fresh start)."""
+    restored = checkpointer.restore()
+    if restored is None:
+        ensure_engine_holds_the_start(run)
+        step = 0
+    else:
+        sync_weights(run, version=restored.engine_weight_version)
+        step = restored.step
+    keeps_folder = restored is not None or run.config.checkpoint.resume.strip() in ("auto", "force")
+    if run.is_main and keeps_folder:  # resume=never moved an earlier run aside (run_folder.py)
+        trim_metrics(Path(run.config.logging.output_dir) / METRICS_FILE, step)
+    return step
