@@ -1,4 +1,4 @@
-"""The GRPO training loop, top to bottom (DESIGN.md "one step"):
+"""The GRPO training loop, top to bottom (docs/architecture.md, "One step"):
 
     prompts -> rollout (n per prompt, with log-probs) -> rewards -> group advantages (+ DAPO filter)
     -> old / reference log-probs (only when needed) on this data-parallel rank's share
@@ -15,20 +15,22 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.algo import AdvantageConfig, GlobalBatchInfo, GRPOLossConfig, PolicyLossConfig
+from megatron_grpo.config import to_dict
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import MegatronGRPOError, RolloutFailure
-from megatron_grpo.launch.distributed import broadcast_from_rank0
+from megatron_grpo.launch.distributed import broadcast_from_rank0, rank0_only
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.trainer.batching import MicroBatch
 from megatron_grpo.trainer.flops import peak_flops_per_device, training_flops
 from megatron_grpo.trainer.checkpoint import Checkpointer
 from megatron_grpo.trainer.metrics import MetricsLogger, NullLogger, SinkOptions, plot_reward_curve
 from megatron_grpo.trainer.micro_batches import padding_metrics, plan_micro_batches
+from megatron_grpo.trainer.resume import resume
 from megatron_grpo.trainer.rollout_phase import RolloutSettings, collect_rollout_batch
-from megatron_grpo.trainer.setup import Run, build_run, old_logprobs_needed
+from megatron_grpo.trainer.setup import Run, build_run, first_mini_batch_has_old_pass, old_logprobs_needed
 from megatron_grpo.trainer.signals import StopSignals
 from megatron_grpo.trainer.train_step import fill_logprobs, train_on_mini_batch
-from megatron_grpo.trainer.weight_sync import ensure_engine_holds_the_start, sync_weights
+from megatron_grpo.trainer.weight_sync import sync_weights
 
 
 def train(cfg: Config) -> Path:
@@ -38,15 +40,11 @@ def train(cfg: Config) -> Path:
     checkpoints, stop = Checkpointer(run), StopSignals().install()
     logger = NullLogger()
     try:
-        start = checkpoints.resume()  # newest complete checkpoint (checkpoint.resume); 0 = fresh
-        if start == 0:
-            ensure_engine_holds_the_start(run)
-        if run.is_main:
-            logger = MetricsLogger(SinkOptions(output_dir=str(out), console=cfg.logging.console,
-                                               tensorboard=cfg.logging.tensorboard,
-                                               wandb_project=cfg.logging.project if cfg.logging.wandb else None,
-                                               wandb_run_name=cfg.logging.experiment_name),
-                                   total_steps=run.total_steps, start_step=start)
+        start = resume(run, checkpoints)  # newest complete checkpoint (checkpoint.resume); 0 = fresh
+        sinks = SinkOptions(output_dir=str(out), console=cfg.logging.console, tensorboard=cfg.logging.tensorboard,
+                            wandb_project=cfg.logging.project if cfg.logging.wandb else None,
+                            wandb_run_name=cfg.logging.experiment_name, run_config=to_dict(cfg))
+        logger = rank0_only(MetricsLogger, sinks, run.total_steps, start) or logger  # rank 0's failure stops all
         if cfg.eval.before_train and start == 0:
             logger.log(0, evaluate_policy(run))
         for step in range(start + 1, run.total_steps + 1):
@@ -98,11 +96,12 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     # 2. old / reference log-probs (forward only, each pass with its own token budget) on the
     # samples of this data-parallel rank's share.
     with timer("logprob"):
-        if old_logprobs_needed(cfg):
+        measured = first_mini_batch_has_old_pass(cfg, step)
+        if old_logprobs_needed(cfg) or measured:
             # Until the first update the policy is the one that sampled, so with one epoch the
-            # first mini-batch uses its own detached log-probs as "old"; only later ones need a pass.
-            first_needing_pass = 1 if cfg.actor.ppo_epochs == 1 else 0
-            _fill_logprobs(run, run.policy, batch.samples, "old_logprobs", skip_mini_batches=first_needing_pass)
+            # first mini-batch uses its own detached log-probs as "old"; only later ones need a
+            # pass, unless this step measures the ratio invariant against a real one.
+            _fill_logprobs(run, run.policy, batch.samples, "old_logprobs", skip_mini_batches=0 if measured else 1)
         if run.reference is not None:
             with _on_device(run.reference, run.device, offloaded=cfg.ref.param_offload):
                 _fill_logprobs(run, run.reference, batch.samples, "ref_logprobs")
@@ -124,7 +123,8 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
                     device=run.device, need_entropy=True))
         run.scheduler.step(1)
     metrics.update(_mean_over_updates(updates))
-    metrics["invariant/ratio_dev_first_minibatch"] = updates[0]["actor/ratio_max_abs_dev"]
+    if measured:  # max |ratio - 1| at the first mini-batch: the update's forward vs the old-log-prob pass
+        metrics["invariant/ratio_dev_first_minibatch"] = updates[0]["actor/ratio_max_abs_dev"]
     if step == 1 and "actor/kl" in updates[0]:
         metrics["invariant/kl_at_step1"] = updates[0]["actor/kl"]
     metrics["actor/lr"] = run.optimizer.param_groups[0]["lr"]
@@ -135,9 +135,9 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
 
     metrics.update(timer.seconds)
     metrics["time/step"] = time.perf_counter() - step_start
-    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
-    metrics["perf/tokens_per_s"] = tokens / metrics["time/step"]
-    per_device = training_flops(run.model_config, tokens * cfg.actor.ppo_epochs) / dist.get_world_size()
+    lengths = [s.length for s in batch.samples]
+    metrics["perf/tokens_per_s"] = sum(lengths) / metrics["time/step"]
+    per_device = cfg.actor.ppo_epochs * training_flops(run.model_config, lengths) / dist.get_world_size()
     metrics["perf/train_tflops_per_device"] = per_device / metrics["time/train"] / 1e12
     peak = peak_flops_per_device(run.device)
     if peak:
@@ -167,20 +167,14 @@ def grpo_loss_config(cfg: Config) -> GRPOLossConfig:
 
 
 def global_batch_info(micro_batches: list[MicroBatch], cfg: Config) -> GlobalBatchInfo:
-    """Mini-batch denominators over all DP ranks, from full-row token counts (so context-parallel
-    ranks, which hold parts of rows, agree). DDP averages gradients over DP x CP, and megatron
-    divides a 2-tuple loss by num_microbatches / cp; backward_scale undoes both
-    (algo/aggregation.py)."""
+    """Mini-batch denominators over all DP ranks (algo/aggregation.py), in this run's layout."""
     from megatron.core import parallel_state as ps
 
-    counts = torch.cat([mb.row_token_counts for mb in micro_batches])
-    totals = torch.tensor([int(counts.sum()), int((counts > 0).sum())], dtype=torch.int64)
-    dp, cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
-    if dp > 1:
-        dist.all_reduce(totals, group=ps.get_data_parallel_group())
-    return GlobalBatchInfo(num_valid_tokens=int(totals[0]), num_sequences=int(totals[1]), dp_size=dp * cp,
-                           loss_scale_factor=cfg.actor.loss_scale_factor or cfg.data.max_response_length,
-                           framework_loss_divisor=len(micro_batches) / cp)
+    return GlobalBatchInfo.from_row_token_counts(
+        [mb.row_token_counts for mb in micro_batches], data_parallel=ps.get_data_parallel_world_size(),
+        context_parallel=ps.get_context_parallel_world_size(), num_micro_batches=len(micro_batches),
+        loss_scale_factor=cfg.actor.loss_scale_factor or cfg.data.max_response_length,
+        process_group=ps.get_data_parallel_group())
 
 
 def _fill_logprobs(run: Run, model_chunks, samples, name: str, skip_mini_batches: int = 0) -> None:

@@ -13,7 +13,7 @@ import logging
 import torch.distributed as dist
 
 from megatron_grpo.convert.export import gather_hf_weights_on_rank0
-from megatron_grpo.errors import MegatronGRPOError, RolloutFailure
+from megatron_grpo.errors import MegatronGRPOError, Rank0Failure, RolloutFailure
 from megatron_grpo.launch.distributed import broadcast_from_rank0
 
 log = logging.getLogger(__name__)
@@ -24,17 +24,23 @@ def sync_weights(run, version: int, attempts: int = 2) -> dict[str, float]:
     error = None
     for attempt in range(attempts):
         tensors = gather_hf_weights_on_rank0(run.policy, run.model_config, dtype=None)
-        error, metrics = None, {}
+        error, unexpected, metrics = None, None, {}
         if dist.get_rank() == 0:
             try:
                 run.engine.update_weights(tensors, version)
                 metrics = run.engine.sync_metrics()
             except MegatronGRPOError as exc:
                 error = str(exc)
+            except Exception as exc:  # not the engine's known failure: no retry; every rank stops
+                unexpected, error = exc, f"{type(exc).__name__}: {exc}"
         # The generator must be exhausted everywhere (it holds collectives), on rank 0 too.
         for _ in tensors:
             pass
-        error = broadcast_from_rank0(error)
+        error, fatal = broadcast_from_rank0((error, unexpected is not None))
+        if unexpected is not None:
+            raise unexpected
+        if fatal:
+            raise Rank0Failure(f"weight sync of version {version} failed on rank 0: {error}")
         if error is None:
             if attempt:
                 metrics["sync/retries"] = float(attempt)

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.rollout.hf_folder import write_hf_folder
+from megatron_grpo.convert.writer import write_hf_folder
 from megatron_grpo.rollout.sglang.buckets import iter_buckets, tensor_bytes
 from megatron_grpo.rollout.sglang.client import SGLangClient
 from megatron_grpo.rollout.sglang.errors import SGLangError
@@ -44,10 +44,6 @@ class SyncStats:
     num_bytes: int = 0
     num_buckets: int = 0
     seconds: float = 0.0
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.num_bytes / 1e9 / self.seconds if self.seconds > 0 else float("nan")
 
 
 @dataclass(frozen=True)
@@ -245,8 +241,8 @@ class DiskTransport(WeightTransport):
                 tensors.append(tensor_bytes(tensor))
                 yield name, tensor
 
-        path, nbytes = write_hf_folder(counted(), self.folder / f"weights_v{version}", self.side_files_from,
-                                       self.max_shard_bytes)
+        path, nbytes = write_hf_folder(counted(), self.folder / f"weights_v{version}",
+                                       side_files_from=self.side_files_from, max_shard_bytes=self.max_shard_bytes)
         answers = self.client.call_all("/update_weights_from_disk", {
             "model_path": str(path), "weight_version": str(version), "flush_cache": False},
             urls=[t.url for t in self.targets], timeout_s=self.timeout_s)
