@@ -15,6 +15,7 @@ import torch
 
 from megatron_grpo.algo.aggregation import GlobalBatchInfo, aggregate, check_loss_agg_mode, token_mean_share
 from megatron_grpo.algo.kl import check_kl_estimator, kl_penalty
+from megatron_grpo.algo.off_policy import OffPolicyConfig, off_policy_weights
 from megatron_grpo.algo.policy_loss import POLICY_LOSSES, PolicyLossConfig, compute_policy_loss
 
 
@@ -27,6 +28,7 @@ class GRPOLossConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)  # algo/off_policy.py
 
     def __post_init__(self):
         POLICY_LOSSES.get(self.policy_loss)  # raises ConfigError listing the valid names
@@ -59,14 +61,27 @@ def compute_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advant
         dtype = torch.promote_types(values.dtype, torch.float32) if values.is_floating_point() else torch.float32
         return token_mean_share(values.detach().to(dtype), response_mask, batch_info)
 
+    off_policy = config.off_policy
+    if (off_policy.objective == "behaviour" or off_policy.weighted) and rollout_log_prob is None:
+        raise ValueError(f"off_policy {off_policy} needs the rollout (behaviour) log-probs")
+    if off_policy.objective == "behaviour":  # one policy: clip against the engine's log-probs
+        old_log_prob = rollout_log_prob
     terms, tis_weights = compute_policy_loss(config.policy_loss, log_prob, old_log_prob, advantages,
                                              response_mask, config.policy_loss_config, rollout_log_prob)
+    weights = None
+    if off_policy.weighted:  # w(pi_prox / pi_behav) on each token's policy loss (algo/off_policy.py)
+        weights = off_policy_weights(old_log_prob, rollout_log_prob, response_mask, off_policy)
+        terms.loss = terms.loss * weights.weights
     pg_loss = agg(terms.loss)
     total = pg_loss
     metrics = {"actor/pg_loss": pg_loss.detach(), "actor/pg_clipfrac": mean(terms.clipped),
                "actor/pg_clipfrac_lower": mean(terms.clipped_lower), "actor/ppo_kl": mean(terms.approx_kl)}
     if tis_weights is not None:
         metrics["actor/tis_weight"] = mean(tis_weights)
+    if weights is not None:
+        metrics.update({"off_policy/weight_mean": mean(weights.weights), "off_policy/is_ratio_mean": mean(weights.ratio),
+                        "off_policy/truncated_frac": mean(weights.truncated),
+                        "off_policy/masked_frac": mean(weights.rejected)})
     if config.use_kl_loss:
         if ref_log_prob is None:
             raise ValueError("use_kl_loss is set but no ref_log_prob was given")
