@@ -482,3 +482,37 @@ def test_not_yet_wired_keys_are_read_nowhere_in_the_package():
         for part in key.split("."):
             value = getattr(value, part)  # every listed key exists in the schema
         assert (sections[-1], leaf) not in reads, f"{key} is read outside config/: remove it from NOT_YET_WIRED"
+
+
+def test_loss_agg_modes_equal_the_algorithms():
+    """config/schema.py spells the modes as a Literal (no torch import); algo/ is the source."""
+    import typing
+
+    from megatron_grpo.algo import LOSS_AGG_MODES
+    from megatron_grpo.config.schema import LossAggMode
+
+    assert typing.get_args(LossAggMode) == LOSS_AGG_MODES
+
+
+@pytest.mark.parametrize("key, value", [("n", 0), ("n", 1), ("top_p", 0.0), ("top_p", 1.0), ("top_p", 1.5),
+                                        ("top_k", -2), ("top_k", -1), ("top_k", 0), ("top_k", 1),
+                                        ("temperature", -0.5), ("temperature", 0.5)])
+def test_rollout_ranges_equal_the_engines(key, value):
+    """Validation refuses a rollout setting exactly when the engines' SamplingParams would (so a
+    recipe never passes validation to fail at the first generation); the one difference is
+    temperature 0, greedy for an engine but refused for training (log-probs of logits / T)."""
+    from megatron_grpo.rollout.types import SamplingParams
+
+    try:
+        SamplingParams(**{key: value})
+        engine_ok = True
+    except ValueError:
+        engine_ok = False
+    try:
+        validate(valid(f"rollout.{key}={value}", *(["algorithm.adv_estimator=reinforce_plus_plus_baseline"]
+                                                   if key == "n" else [])))
+        config_ok = True
+    except ConfigError:
+        config_ok = False
+    assert config_ok == engine_ok
+    assert error_of(validate, valid("rollout.temperature=0")).startswith("rollout.temperature=0.0 must be > 0")
