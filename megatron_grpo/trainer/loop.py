@@ -17,8 +17,8 @@ import torch.distributed as dist
 from megatron_grpo.algo import AdvantageConfig, GlobalBatchInfo, GRPOLossConfig, PolicyLossConfig
 from megatron_grpo.config import to_dict
 from megatron_grpo.config.schema import Config
-from megatron_grpo.errors import MegatronGRPOError, RolloutFailure
-from megatron_grpo.launch.distributed import broadcast_from_rank0, rank0_only
+from megatron_grpo.errors import MegatronGRPOError, Rank0Failure, RolloutFailure
+from megatron_grpo.launch.distributed import broadcast_from_rank0, on_rank0, rank0_only
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.trainer.batching import MicroBatch
 from megatron_grpo.trainer.flops import peak_flops_per_device, training_flops
@@ -86,8 +86,11 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
                                               rollout_settings(cfg), step, cfg.data.train_batch_size)
             except MegatronGRPOError as exc:  # e.g. every SGLang server gone: all ranks must stop
                 batch = RolloutFailure(str(exc))
+            except BaseException as exc:  # a bug: rank 0 raises it, the others stop with Rank0Failure
+                broadcast_from_rank0(Rank0Failure(f"rank 0 failed in the rollout: {type(exc).__name__}: {exc}"))
+                raise
         batch = broadcast_from_rank0(batch)  # token ids and floats: small
-        if isinstance(batch, RolloutFailure):
+        if isinstance(batch, MegatronGRPOError):
             raise batch
     if run.is_main and cfg.rollout.engine == "sglang" and cfg.rollout.sglang.weight_sync == "tensor":
         run.engine.release_memory()  # colocated: give the GPU to training; resumed by the weight sync
@@ -193,7 +196,7 @@ def _mean_over_updates(updates: list[dict[str, float]]) -> dict[str, float]:
 def evaluate_policy(run: Run) -> dict[str, float]:
     from megatron_grpo.trainer.evaluate import evaluate
 
-    return broadcast_from_rank0(evaluate(run) if run.is_main else None)
+    return on_rank0(evaluate, run)  # rank 0's failure stops every rank
 
 
 @contextlib.contextmanager
