@@ -7,6 +7,9 @@ export_hf_weights(chunks, cfg)
     the embedding, the last the final norm and (untied) lm_head. Tensors split over TP are
     all-gathered one at a time, so at most one full tensor is alive per rank beyond the shards.
     Data-parallel / context-parallel replicas may run it independently (same results).
+    MoE experts (expert parallelism): each expert tensor is gathered over its expert tensor-parallel
+    group, then over the stage's expert-parallel group (gather_experts_over_ep), so every rank of the
+    stage yields every expert; the EP ranks must iterate in lockstep too.
 
 gather_hf_weights_on_rank0(chunks, cfg)
     The whole model on global rank 0, stage after stage: each stage exports as above, and the
@@ -36,6 +39,9 @@ def export_hf_weights(model_chunks: Sequence[torch.nn.Module], cfg: ModelConfig,
         for item in bind(unwrap(chunk), cfg):
             if not item.rule.export:
                 continue
+            if item.expert is not None:
+                yield from gather_experts_over_ep(item, cfg, dtype)
+                continue
             local = item.param.detach()
             if item.rule.transform.tp_split and tp_size > 1:
                 shards = [torch.empty_like(local) for _ in range(tp_size)]
@@ -45,6 +51,43 @@ def export_hf_weights(model_chunks: Sequence[torch.nn.Module], cfg: ModelConfig,
             for name, tensor in zip(item.hf_names, item.rule.transform.to_hf(shards, cfg)):
                 tensor = tensor if dtype is None else tensor.to(dtype)
                 yield name, tensor.contiguous()
+
+
+def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [tensor]
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
+def gather_experts_over_ep(item, cfg: ModelConfig, dtype: torch.dtype | None = None
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, full tensor) of one local expert's tensor on every EP rank of this stage: the
+    shards of each expert are gathered over its expert-TP group (item.shard_group), then the
+    EP ranks' experts with the same local index (global index ep_rank * local count + local index)
+    are gathered over the expert-parallel group. A collective over both groups."""
+    from megatron.core import parallel_state as ps
+
+    local = item.param.detach()
+    shards = _all_gather(local, item.shard_group) if item.rule.transform.tp_split else [local]
+    full = item.rule.transform.to_hf(shards, cfg)
+    ep_group = ps.get_expert_model_parallel_group()
+    ep_rank, ep_size = dist.get_rank(ep_group), dist.get_world_size(ep_group)
+    per_rank = cfg.num_experts // ep_size
+    local_index = item.expert - ep_rank * per_rank
+    for name, tensor in zip(item.hf_names, full):
+        for rank, part in enumerate(_all_gather(tensor, ep_group)):
+            expert_name = _rename_expert(name, item.expert, rank * per_rank + local_index)
+            yield expert_name, (part if dtype is None else part.to(dtype)).contiguous()
+
+
+def _rename_expert(name: str, expert: int, other: int) -> str:
+    marker = f".mlp.experts.{expert}."
+    if marker not in name:
+        raise ValueError(f"{name}: not the HF name of expert {expert}")
+    return name.replace(marker, f".mlp.experts.{other}.")
 
 
 _END = "__end_of_stage__"

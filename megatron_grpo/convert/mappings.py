@@ -5,21 +5,30 @@ Names use "{layer}": the global layer index on the HF side, the chunk-local inde
 side (megatron numbers layers per chunk; TransformerLayer.layer_number is the global 1-based one).
 A rule lists Megatron name alternatives: the local spec name first, then Transformer Engine's
 (TE fuses the pre-attention / pre-MLP norms into linear_qkv / linear_fc1).
+
+MoE layers (qwen3_moe): the router (HF mlp.gate) and one gate/up/down triple per expert under
+"{expert}": the chunk-local expert index on the Megatron side (SequentialMLP's local_experts.{e},
+TE grouped GEMM's weight{e}), the global one on the HF side (EP rank r holds experts
+r * E/EP .. (r+1) * E/EP - 1). Expert tensors are split over the expert tensor-parallel group
+(ETP), which need not be the TP group: bind() gives each its own ETP rank and group.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
-from megatron_grpo.convert.transforms import FusedGateUp, FusedQKV, Replicated, Split, Transform, VocabRows
+from megatron_grpo.convert.transforms import (ExpertTensorParallel, FusedGateUp, FusedQKV, Replicated, Split,
+                                              Transform, VocabRows)
 from megatron_grpo.errors import CheckpointError
 from megatron_grpo.models.hf_config import ModelConfig
 
 # Where a tensor lives: "first" = pre_process stage, "last" = post_process stage,
 # "last_only" = post_process stage that is not also pre_process (the tied output copy), "layer".
 Place = Literal["first", "last", "last_only", "layer"]
+LayerKind = Literal["all", "dense", "moe"]  # which layers a "layer" rule applies to
 ShapeFn = Callable[[ModelConfig], tuple[tuple[int, ...], ...]]
 
 
@@ -32,6 +41,13 @@ class Rule:
     place: Place
     when: Callable[[ModelConfig], bool] = lambda cfg: True
     export: bool = True  # False for the tied output-layer copy: HF stores it once, as embed_tokens
+    layers: LayerKind = "all"
+    per_expert: bool = False  # one tensor per routed expert ("{expert}" in the names)
+
+    def applies_to(self, cfg: ModelConfig, layer: int) -> bool:
+        if self.layers == "all":
+            return True
+        return (layer in cfg.moe_layers) == (self.layers == "moe")
 
 
 def _q_rows(c): return c.num_attention_heads * c.head_dim
@@ -72,9 +88,23 @@ POST_ATTN_NORM = Rule((_L + "pre_mlp_layernorm.weight", _L + "mlp.linear_fc1.lay
                       (_H + "post_attention_layernorm.weight",), Replicated(), lambda c: ((c.hidden_size,),), "layer")
 GATE_UP = Rule((_L + "mlp.linear_fc1.weight",), (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
                FusedGateUp(),
-               lambda c: ((c.ffn_hidden_size, c.hidden_size), (c.ffn_hidden_size, c.hidden_size)), "layer")
+               lambda c: ((c.ffn_hidden_size, c.hidden_size), (c.ffn_hidden_size, c.hidden_size)), "layer",
+               layers="dense")
 DOWN = Rule((_L + "mlp.linear_fc2.weight",), (_H + "mlp.down_proj.weight",), Split(dim=1),
-            lambda c: ((c.hidden_size, c.ffn_hidden_size),), "layer")
+            lambda c: ((c.hidden_size, c.ffn_hidden_size),), "layer", layers="dense")
+
+_E = _H + "mlp.experts.{expert}."
+ROUTER = Rule((_L + "mlp.router.weight",), (_H + "mlp.gate.weight",), Replicated(),
+              lambda c: ((c.num_experts, c.hidden_size),), "layer", layers="moe")
+EXPERT_GATE_UP = Rule((_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
+                       _L + "mlp.experts.linear_fc1.weight{expert}"),
+                      (_E + "gate_proj.weight", _E + "up_proj.weight"), FusedGateUp(),
+                      lambda c: ((c.moe_ffn_hidden_size, c.hidden_size), (c.moe_ffn_hidden_size, c.hidden_size)),
+                      "layer", layers="moe", per_expert=True)
+EXPERT_DOWN = Rule((_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
+                    _L + "mlp.experts.linear_fc2.weight{expert}"),
+                   (_E + "down_proj.weight",), Split(dim=1), lambda c: ((c.hidden_size, c.moe_ffn_hidden_size),),
+                   "layer", layers="moe", per_expert=True)
 
 MAPPINGS: dict[str, tuple[Rule, ...]] = {
     "llama": (EMBEDDING, INPUT_NORM, QKV, O_PROJ, POST_ATTN_NORM, GATE_UP, DOWN, FINAL_NORM, OUTPUT, TIED_OUTPUT),
@@ -82,6 +112,8 @@ MAPPINGS: dict[str, tuple[Rule, ...]] = {
               TIED_OUTPUT),
     "qwen3": (EMBEDDING, INPUT_NORM, QKV, Q_NORM, K_NORM, O_PROJ, POST_ATTN_NORM, GATE_UP, DOWN, FINAL_NORM,
               OUTPUT, TIED_OUTPUT),
+    "qwen3_moe": (EMBEDDING, INPUT_NORM, QKV, Q_NORM, K_NORM, O_PROJ, POST_ATTN_NORM, GATE_UP, DOWN, ROUTER,
+                  EXPERT_GATE_UP, EXPERT_DOWN, FINAL_NORM, OUTPUT, TIED_OUTPUT),
 }
 
 # HF files of tied models sometimes still carry the (identical) lm_head; we accept and ignore it.
@@ -101,19 +133,23 @@ def expected_hf_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for rule in rules_for(cfg):
         if not rule.export:
             continue
-        layers = range(cfg.num_layers) if rule.place == "layer" else [None]
+        layers = [i for i in range(cfg.num_layers) if rule.applies_to(cfg, i)] if rule.place == "layer" else [None]
+        experts = range(cfg.num_experts) if rule.per_expert else [None]
         for layer in layers:
-            for name, shape in zip(rule.hf, rule.hf_shapes(cfg)):
-                out[name.format(layer=layer)] = tuple(shape)
+            for expert in experts:
+                for name, shape in zip(rule.hf, rule.hf_shapes(cfg)):
+                    out[name.format(layer=layer, expert=expert)] = tuple(shape)
     return dict(sorted(out.items(), key=lambda kv: _hf_order(kv[0])))
 
 
 def _hf_order(name: str):
     if name.startswith("model.embed_tokens"):
-        return (0, 0, name)
+        return (0, 0, 0, name)
     if name.startswith("model.layers."):
-        return (1, int(name.split(".")[2]), name)
-    return (2, 0, name)
+        parts = name.split(".")
+        expert = int(parts[5]) if parts[3:5] == ["mlp", "experts"] else -1
+        return (1, int(parts[2]), expert, name)
+    return (2, 0, 0, name)
 
 
 @dataclass(frozen=True)
@@ -124,6 +160,18 @@ class BoundTensor:
     hf_names: tuple[str, ...]
     param: torch.nn.Parameter
     layer: int | None       # global layer index
+    expert: int | None = None   # global expert index (per-expert rules)
+    # The group this tensor's split is gathered over: None = the TP group; the expert tensor-parallel
+    # group for expert tensors (their rule's transform then carries that group's rank and size).
+    shard_group: Any = None
+
+
+def _expert_tensor_parallel(linear) -> tuple[Any, int, int]:
+    """(group, rank, size) of the tensor-parallel group an expert's linear layer is split over."""
+    import torch.distributed as dist
+
+    group = linear.tp_group
+    return group, dist.get_rank(group), dist.get_world_size(group)
 
 
 def bind(model, cfg: ModelConfig) -> list[BoundTensor]:
@@ -132,15 +180,28 @@ def bind(model, cfg: ModelConfig) -> list[BoundTensor]:
     params = dict(model.named_parameters())
     bound: list[BoundTensor] = []
 
-    def add(rule: Rule, layer_local: int | None, layer_global: int | None):
+    def add(rule: Rule, layer_local: int | None, layer_global: int | None, expert_local: int | None = None,
+            expert_global: int | None = None, shard: tuple | None = None):
         for candidate in rule.megatron:
-            name = candidate.format(layer=layer_local)
+            name = candidate.format(layer=layer_local, expert=expert_local)
             if name in params:
-                hf = tuple(h.format(layer=layer_global) for h in rule.hf)
-                bound.append(BoundTensor(rule, name, hf, params[name], layer_global))
+                hf = tuple(h.format(layer=layer_global, expert=expert_global) for h in rule.hf)
+                group = None
+                if shard is not None:
+                    group, rank, size = shard
+                    rule = dataclasses.replace(rule, transform=ExpertTensorParallel(rule.transform, rank, size))
+                bound.append(BoundTensor(rule, name, hf, params[name], layer_global, expert_global, group))
                 return
-        raise CheckpointError(f"model chunk has none of {[c.format(layer=layer_local) for c in rule.megatron]} "
+        raise CheckpointError(f"model chunk has none of "
+                              f"{[c.format(layer=layer_local, expert=expert_local) for c in rule.megatron]} "
                               f"(model_type {cfg.architecture}); it was not built from this config")
+
+    def add_experts(rule: Rule, local: int, layer) -> None:
+        experts = layer.mlp.experts
+        for expert_local, expert_global in enumerate(layer.mlp.local_expert_indices):
+            linear = (experts.local_experts[expert_local].linear_fc1 if hasattr(experts, "local_experts")
+                      else experts.linear_fc1)
+            add(rule, local, layer.layer_number - 1, expert_local, expert_global, _expert_tensor_parallel(linear))
 
     rules = rules_for(cfg)
     first, last = bool(model.pre_process), bool(model.post_process)
@@ -149,7 +210,11 @@ def bind(model, cfg: ModelConfig) -> list[BoundTensor]:
             add(rule, None, None)
     for local, layer in enumerate(model.decoder.layers):
         for rule in rules:
-            if rule.place == "layer":
+            if rule.place != "layer" or not rule.applies_to(cfg, layer.layer_number - 1):
+                continue
+            if rule.per_expert:
+                add_experts(rule, local, layer)
+            else:
                 add(rule, local, layer.layer_number - 1)
     for rule in rules:
         if (rule.place == "last" and last) or (rule.place == "last_only" and last and not first):

@@ -133,3 +133,22 @@ class FusedGateUp:
     def to_hf(self, shards, cfg):
         halves = [torch.chunk(shard, 2, dim=0) for shard in shards]
         return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+
+
+@dataclass(frozen=True)
+class ExpertTensorParallel:
+    """An expert's tensor: `inner`'s split, over the expert tensor-parallel group (rank / size
+    bound here by convert.mappings.bind) instead of the TP group the caller passes."""
+    inner: Transform
+    rank: int
+    size: int
+
+    @property
+    def tp_split(self) -> bool:
+        return self.inner.tp_split
+
+    def load_shard(self, src, hf_names, cfg, tp_rank, tp_size):
+        return self.inner.load_shard(src, hf_names, cfg, self.rank, self.size)
+
+    def to_hf(self, shards, cfg):
+        return self.inner.to_hf(shards, cfg)

@@ -22,6 +22,12 @@ What each patch fixes:
             ('torch.cuda.FloatTensor') for CPU tensors.
   sp-norm   the torch norms refuse sequence_parallel; we allow it and tag the params so that
             finalize_model_grads all-reduces their grads over TP, as TE/apex norms do.
+  moe-gemm  megatron-core 0.16's moe_utils imports te_general_gemm (and the fused_* kernels) only
+            when Transformer Engine imports, then tests `te_general_gemm is not None` in the router's
+            gating linear: NameError without TE. The names are set to None, as 0.19 does itself.
+  a2a-split the all-to-all token dispatcher turns its split sizes into numpy arrays only when it
+            moves them off a CUDA device (maybe_move_tensor_to_cpu); CPU tensors stay tensors and
+            all_to_all_single refuses them as split sizes. CPU tensors asked for as numpy become numpy.
   adam-step megatron's 'fully_reshardable' optimizer load copies every key of torch AdamW's
             per-parameter state, 'step' included, from tensors that carry none (the step is in
             the param groups) -> KeyError: 'step'. The step is left to
@@ -81,6 +87,8 @@ def apply_cpu_compat() -> bool:
     _patch_causal_mask()
     _patch_sequence_parallel_norms()
     _patch_fully_reshardable_adam_step()
+    _define_missing_te_moe_kernels()
+    _patch_dispatcher_split_sizes()
     global _redirect_mode
     _redirect_mode = _CudaAllocationsToCpu()
     _redirect_mode.__enter__()  # left active for the life of the process
@@ -197,6 +205,33 @@ def _patch_sequence_parallel_norms() -> None:
         return module
 
     WrappedTorchNorm.__new__ = staticmethod(new)
+
+
+_TE_MOE_KERNELS = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                   "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                   "fused_topk_with_score_function", "fused_unpermute", "te_general_gemm")
+
+
+def _define_missing_te_moe_kernels() -> None:
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    for name in _TE_MOE_KERNELS:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+def _patch_dispatcher_split_sizes() -> None:
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def move(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move
 
 
 def _patch_fully_reshardable_adam_step() -> None:

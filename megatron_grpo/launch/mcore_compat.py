@@ -50,18 +50,32 @@ def megatron_core_version() -> tuple[int, int, int]:
     return (int(package_info.MAJOR), int(package_info.MINOR), int(package_info.PATCH))
 
 
-def local_layer_spec(*, qk_layernorm: bool, normalization: str) -> Any:
-    """Transformer-layer spec built from megatron-core's own modules (no TE): works on CPU."""
+def local_layer_spec(*, qk_layernorm: bool, normalization: str, num_experts: int | None = None) -> Any:
+    """Transformer-layer spec built from megatron-core's own modules (no TE): works on CPU. With
+    num_experts a MoE layer whose experts are SequentialMLP (one local MLP per expert)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
+    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization,
+                                    num_experts=num_experts, moe_grouped_gemm=False)
 
 
-def transformer_engine_layer_spec(*, qk_layernorm: bool) -> Any:
-    """Transformer-layer spec with TE modules (fused norms/attention); needs transformer_engine."""
+def transformer_engine_layer_spec(*, qk_layernorm: bool, num_experts: int | None = None,
+                                  moe_grouped_gemm: bool = False) -> Any:
+    """Transformer-layer spec with TE modules (fused norms/attention); needs transformer_engine.
+    With num_experts a MoE layer (TE's grouped GEMM experts with moe_grouped_gemm)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, num_experts=num_experts,
+                                                      moe_grouped_gemm=moe_grouped_gemm)
+
+
+def stage_layer_range(config: Any, vp_stage: int | None) -> tuple[int, int]:
+    """(global index of the first layer, number of layers) megatron builds on this rank's pipeline
+    stage (and virtual stage): the same functions its TransformerBlock uses (both versions)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(config, vp_stage=vp_stage), get_num_layers_to_build(config, vp_stage=vp_stage)
 
 
 def optimizer_sharded_state_dict(optimizer: Any, model_sharded_state_dict: dict, *, is_loading: bool,

@@ -1,4 +1,9 @@
-"""megatron parallel_state and seeds for one parallel layout (TP, PP, virtual PP, CP; DP is the rest)."""
+"""megatron parallel_state and seeds for one parallel layout (TP, PP, virtual PP, CP; DP is the rest).
+
+Experts (MoE layers) are laid out over the same ranks by megatron's second decomposition:
+world = PP x EP x ETP x expert-DP, where ETP (expert tensor parallelism) defaults to TP. Every rank
+of an EP group holds num_experts / EP experts; tokens reach them through the token dispatcher's
+all-to-all over that group, and expert grads are reduced over the expert-DP group."""
 from __future__ import annotations
 
 import random
@@ -18,11 +23,15 @@ class ParallelLayout:
     virtual_pipeline: int | None = None
     context: int = 1
     sequence_parallel: bool = False
+    expert: int = 1                      # EP: ranks the experts of a layer are spread over
+    expert_tensor: int | None = None     # ETP: tensor parallelism inside an expert; None = tensor
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline", "context"):
+        for name in ("tensor", "pipeline", "context", "expert"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name}={getattr(self, name)}: expected an integer >= 1")
+        if self.expert_tensor is not None and self.expert_tensor < 1:
+            raise ConfigError(f"parallel.expert_tensor={self.expert_tensor}: expected null or an integer >= 1")
         if self.virtual_pipeline is not None and (self.virtual_pipeline < 1 or self.pipeline < 2):
             raise ConfigError(f"parallel.virtual_pipeline={self.virtual_pipeline}: expected null, or an integer "
                               f">= 1 together with parallel.pipeline >= 2 (got {self.pipeline})")
@@ -31,12 +40,26 @@ class ParallelLayout:
     def model_parallel_size(self) -> int:
         return self.tensor * self.pipeline * self.context
 
+    @property
+    def expert_tensor_size(self) -> int:
+        return self.tensor if self.expert_tensor is None else self.expert_tensor
+
     def data_parallel_size(self, world_size: int) -> int:
         if world_size % self.model_parallel_size:
             raise LaunchError(
                 f"world size {world_size} is not divisible by TP*PP*CP = {self.tensor}*{self.pipeline}*"
                 f"{self.context} = {self.model_parallel_size}; set parallel.tensor/pipeline/context to divide it")
+        expert_ranks = self.expert * self.expert_tensor_size * self.pipeline
+        if world_size % expert_ranks:
+            raise LaunchError(
+                f"world size {world_size} is not divisible by EP*ETP*PP = {self.expert}*{self.expert_tensor_size}*"
+                f"{self.pipeline} = {expert_ranks}; set parallel.expert/expert_tensor to divide it")
         return world_size // self.model_parallel_size
+
+    def expert_data_parallel_size(self, world_size: int) -> int:
+        """Replicas of each expert (its gradients are reduced over them)."""
+        self.data_parallel_size(world_size)
+        return world_size // (self.expert * self.expert_tensor_size * self.pipeline)
 
 
 def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
@@ -58,6 +81,8 @@ def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
         pipeline_model_parallel_size=layout.pipeline,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
         context_parallel_size=layout.context,
+        expert_model_parallel_size=layout.expert,
+        expert_tensor_parallel_size=layout.expert_tensor,
     )
     set_seed(seed)
 

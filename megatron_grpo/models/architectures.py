@@ -14,6 +14,7 @@ class ArchitectureSpec:
     qkv_bias: bool                  # q/k/v projections carry a bias (o_proj never does)
     qk_norm: bool                   # RMSNorm over head_dim on queries and keys before RoPE
     attention_bias_key: str | None  # config field that, when true, adds biases we do not support
+    moe: bool = False               # sparse MLP layers (routed experts; config.json's num_experts)
 
 
 ARCHITECTURES: dict[str, ArchitectureSpec] = {
@@ -26,4 +27,8 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     # Llama 2/3/3.1/3.2/3.3: `attention_bias` likewise adds an o_proj bias.
     "llama": ArchitectureSpec("llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False,
                               attention_bias_key="attention_bias"),
+    # Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 attention; top-k routed experts, no shared
+    # expert; dense MLP layers where decoder_sparse_step / mlp_only_layers say so.
+    "qwen3_moe": ArchitectureSpec("qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True,
+                                  attention_bias_key="attention_bias", moe=True),
 }

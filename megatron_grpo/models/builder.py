@@ -11,6 +11,7 @@ right stage on every rank.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ from megatron_grpo.errors import ConfigError
 from megatron_grpo.launch.parallel import ParallelLayout
 from megatron_grpo.models.hf_config import ModelConfig
 from megatron_grpo.models.rope import rope_inv_freq
-from megatron_grpo.models.spec import Backend, layer_spec, resolve_backend
+from megatron_grpo.models.spec import Backend, block_spec, resolve_backend
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -34,7 +35,7 @@ class Recompute:
 
 
 def transformer_config(model_config: ModelConfig, layout: ParallelLayout, dtype: torch.dtype = torch.float32,
-                       recompute: Recompute = Recompute()):
+                       recompute: Recompute = Recompute(), backend: Backend = "auto"):
     """The megatron TransformerConfig of this model under `layout`."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -42,6 +43,7 @@ def transformer_config(model_config: ModelConfig, layout: ParallelLayout, dtype:
     if dtype not in _DTYPES:
         raise ConfigError(f"model dtype {dtype}: expected torch.float32 or torch.bfloat16")
     model_config.check_tensor_parallel(layout.tensor)
+    model_config.check_expert_parallel(layout.expert, layout.expert_tensor_size)
     on_gpu = torch.cuda.is_available()
     return TransformerConfig(
         num_layers=model_config.num_layers,
@@ -81,6 +83,42 @@ def transformer_config(model_config: ModelConfig, layout: ParallelLayout, dtype:
         recompute_granularity=recompute.granularity,
         recompute_method=recompute.method if recompute.granularity == "full" else None,
         recompute_num_layers=recompute.num_layers if recompute.granularity == "full" else None,
+        **moe_config(model_config, layout, grouped_gemm=resolve_backend(backend) == "te"),
+    )
+
+
+def moe_config(model_config: ModelConfig, layout: ParallelLayout, grouped_gemm: bool = False) -> dict:
+    """TransformerConfig's MoE fields for HF Qwen3-MoE's math (nothing for dense models).
+
+    Router: HF takes softmax over all experts, then the top-k, renormalised when norm_topk_prob.
+    megatron's top-k of the logits followed by a softmax over the k chosen (pre_softmax off) is that
+    renormalised distribution; pre_softmax on (softmax, then top-k) is the unnormalised one.
+    Aux loss: HF's Switch loss E * sum_e f_e * P_e (f_e: fraction of token-slots routed to e, P_e:
+    mean router probability of e), added as router_aux_loss_coef * loss when output_router_logits.
+    HF pools the router logits of all layers into one batch first; megatron applies the formula per
+    layer and sums, with f_e divided by top-k. We take coef * top_k / num_moe_layers: the mean over
+    layers of HF's per-layer loss (equal to HF's value for one MoE layer or equal routing
+    statistics in every layer). Capacity factor / token dropping off: every token reaches its k
+    experts (HF drops none)."""
+    if not model_config.is_moe:
+        return {}
+    coef = model_config.router_aux_loss_coef
+    return dict(
+        num_moe_experts=model_config.num_experts,
+        moe_router_topk=model_config.moe_top_k,
+        moe_ffn_hidden_size=model_config.moe_ffn_hidden_size,
+        moe_layer_freq=[1 if i in model_config.moe_layers else 0 for i in range(model_config.num_layers)],
+        moe_router_pre_softmax=not model_config.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss" if coef > 0 else "none",
+        moe_aux_loss_coeff=coef * model_config.moe_top_k / len(model_config.moe_layers),
+        moe_token_dispatcher_type="alltoall",
+        moe_expert_capacity_factor=None,
+        moe_grouped_gemm=grouped_gemm,  # TE's grouped GEMM experts (the TE spec); SequentialMLP otherwise
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        expert_model_parallel_size=layout.expert,
+        expert_tensor_parallel_size=layout.expert_tensor_size,
     )
 
 
@@ -92,7 +130,9 @@ def current_layout(sequence_parallel: bool = False) -> ParallelLayout:
                           pipeline=ps.get_pipeline_model_parallel_world_size(),
                           virtual_pipeline=ps.get_virtual_pipeline_model_parallel_world_size(),
                           context=ps.get_context_parallel_world_size(),
-                          sequence_parallel=sequence_parallel)
+                          sequence_parallel=sequence_parallel,
+                          expert=ps.get_expert_model_parallel_world_size(),
+                          expert_tensor=ps.get_expert_tensor_parallel_world_size())
 
 
 def build_model(model_config: ModelConfig, layout: ParallelLayout | None = None, *,
@@ -104,15 +144,17 @@ def build_model(model_config: ModelConfig, layout: ParallelLayout | None = None,
     from megatron.core import parallel_state as ps
 
     actual = current_layout(layout.sequence_parallel if layout else False)
+    if layout is not None and layout.expert_tensor is None:  # None = TP: compare what it resolves to
+        layout = dataclasses.replace(layout, expert_tensor=layout.tensor)
     if layout is not None and layout != actual:
         raise ConfigError(f"build_model: layout {layout} differs from the initialised parallel state {actual}")
-    config = transformer_config(model_config, actual, dtype, recompute)
-    spec = layer_spec(model_config, actual.context, backend)
+    config = transformer_config(model_config, actual, dtype, recompute, backend)
     vp_stages = [None] if actual.virtual_pipeline is None else list(range(actual.virtual_pipeline))
     chunks = []
     for vp_stage in vp_stages:
         pre = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+        spec = block_spec(model_config, config, actual.context, backend, vp_stage)
         chunks.append(_build_chunk(model_config, config, spec, pre, post, vp_stage, dtype,
                                    local_context_parallel=actual.context > 1 and resolve_backend(backend) == "local"))
     return chunks

@@ -50,6 +50,23 @@ class ModelConfig:
     qk_norm: bool
     attention_dropout: float
     hf_config: dict = field(repr=False, compare=False)
+    # Mixture of experts (0 / () for dense models). HF Qwen3-MoE: layer i is sparse unless it is in
+    # mlp_only_layers or (i + 1) % decoder_sparse_step != 0; the other layers use ffn_hidden_size.
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = False       # renormalise the top-k softmax probabilities to sum to 1
+    # HF adds router_aux_loss_coef * aux loss only when output_router_logits is true; 0 otherwise.
+    router_aux_loss_coef: float = 0.0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.moe_layers)
 
     @property
     def spec(self) -> ArchitectureSpec:
@@ -99,12 +116,27 @@ class ModelConfig:
 
     def check_tensor_parallel(self, tensor_parallel: int) -> None:
         """Raises ConfigError if the model cannot be split over `tensor_parallel` ranks."""
-        for name, value in (("num_attention_heads", self.num_attention_heads),
-                            ("num_key_value_heads", self.num_query_groups),
-                            ("intermediate_size", self.ffn_hidden_size),
-                            ("padded vocab size", self.padded_vocab_size)):
+        checks = [("num_attention_heads", self.num_attention_heads),
+                  ("num_key_value_heads", self.num_query_groups),
+                  ("padded vocab size", self.padded_vocab_size)]
+        if self.dense_layers:
+            checks.append(("intermediate_size", self.ffn_hidden_size))
+        for name, value in checks:
             if value % tensor_parallel:
                 raise ConfigError(f"tensor parallel size {tensor_parallel} does not divide {name} = {value}")
+
+    def check_expert_parallel(self, expert_parallel: int, expert_tensor_parallel: int) -> None:
+        """Raises ConfigError if the experts cannot be split over EP x ETP ranks."""
+        if not self.is_moe:
+            if expert_parallel > 1:
+                raise ConfigError(f"parallel.expert={expert_parallel}: model_type {self.architecture!r} has no "
+                                  f"experts (expert parallelism needs a mixture-of-experts model)")
+            return
+        if self.num_experts % expert_parallel:
+            raise ConfigError(f"expert parallel size {expert_parallel} does not divide num_experts = {self.num_experts}")
+        if self.moe_ffn_hidden_size % expert_tensor_parallel:
+            raise ConfigError(f"expert tensor parallel size {expert_tensor_parallel} does not divide "
+                              f"moe_intermediate_size = {self.moe_ffn_hidden_size}")
 
     def same_math_as(self, other: "ModelConfig") -> list[str]:
         """Names of derived fields that differ (empty when the two configs build the same model)."""
@@ -161,9 +193,11 @@ def _parse(hf: dict, where: str, padded_vocab_size: int | None, tensor_parallel:
     if padded_vocab_size < vocab:
         raise ConfigError(f"{where}: padded vocab size {padded_vocab_size} < vocab_size {vocab}")
     rope_theta, rope_scaling = _parse_rope(hf, where)
+    num_layers = int(_require(hf, "num_hidden_layers", where))
+    moe = _parse_moe(hf, spec, num_layers, where)
     return ModelConfig(
         architecture=model_type,
-        num_layers=int(_require(hf, "num_hidden_layers", where)),
+        num_layers=num_layers,
         hidden_size=hidden,
         ffn_hidden_size=int(_require(hf, "intermediate_size", where)),
         num_attention_heads=heads,
@@ -180,7 +214,37 @@ def _parse(hf: dict, where: str, padded_vocab_size: int | None, tensor_parallel:
         qk_norm=spec.qk_norm,
         attention_dropout=float(hf.get("attention_dropout") or 0.0),
         hf_config=hf,
+        **moe,
     )
+
+
+def _parse_moe(hf: Mapping, spec: ArchitectureSpec, num_layers: int, where: str) -> dict:
+    """The MoE fields of ModelConfig (empty for dense architectures), as HF Qwen3-MoE reads them."""
+    if not spec.moe:
+        return {}
+    # Qwen's config.json says num_experts; transformers >= 5 saves it as num_local_experts (an alias).
+    named = {key: hf[key] for key in ("num_experts", "num_local_experts") if hf.get(key) is not None}
+    if not named:
+        raise ConfigError(f"{where}: required key 'num_experts' is missing")
+    if len(set(named.values())) > 1:
+        raise ConfigError(f"{where}: num_experts and num_local_experts differ ({named})")
+    experts = int(next(iter(named.values())))
+    top_k = int(_require(hf, "num_experts_per_tok", where))
+    if not 1 <= top_k <= experts:
+        raise ConfigError(f"{where}: num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
+    step = int(hf.get("decoder_sparse_step") or 1)
+    if step < 1:
+        raise ConfigError(f"{where}: decoder_sparse_step={step} must be >= 1")
+    dense_only = hf.get("mlp_only_layers") or []
+    if not isinstance(dense_only, (list, tuple)) or any(not isinstance(i, int) for i in dense_only):
+        raise ConfigError(f"{where}: mlp_only_layers={dense_only!r} must be a list of layer indices")
+    moe_layers = tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+    if not moe_layers:
+        raise ConfigError(f"{where}: no sparse layer (decoder_sparse_step={step}, mlp_only_layers={dense_only})")
+    coef = float(hf.get("router_aux_loss_coef") or 0.0) if hf.get("output_router_logits") else 0.0
+    return dict(num_experts=experts, moe_top_k=top_k,
+                moe_ffn_hidden_size=int(_require(hf, "moe_intermediate_size", where)), moe_layers=moe_layers,
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), router_aux_loss_coef=coef)
 
 
 def _reject_math_changes(hf: Mapping, spec: ArchitectureSpec, where: str) -> None:
@@ -198,9 +262,14 @@ def _reject_math_changes(hf: Mapping, spec: ArchitectureSpec, where: str) -> Non
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise ConfigError(f"{where}: layer_types {sorted(set(layer_types))} is not supported "
                           f"(only 'full_attention')")
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+    # transformers writes num_local_experts beside num_experts for Qwen3-MoE (an alias).
+    for key in ("n_routed_experts",) + (() if spec.moe else ("num_experts", "num_local_experts")):
         if hf.get(key):
-            raise ConfigError(f"{where}: {key}={hf[key]} (mixture of experts) is not supported")
+            raise ConfigError(f"{where}: {key}={hf[key]} (mixture of experts) is not supported for model_type "
+                              f"{spec.model_type!r} (supported: qwen3_moe)")
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if hf.get(key):
+            raise ConfigError(f"{where}: {key}={hf[key]} (shared experts) is not supported")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(f"{where}: partial_rotary_factor={hf['partial_rotary_factor']} is not supported")
 

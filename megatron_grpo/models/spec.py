@@ -1,6 +1,11 @@
 """Which transformer-layer implementation to build: Transformer Engine's when it imports, else
 megatron-core's local modules with our core attention: ops.varlen_attention's (megatron's own for
-padded batches, plus packed THD sequences) at CP = 1, ops.context_parallel's when CP > 1."""
+padded batches, plus packed THD sequences) at CP = 1, ops.context_parallel's when CP > 1.
+
+MoE models get one spec per layer (block_spec): megatron's MoELayer (router, token dispatcher,
+experts) on sparse layers, the dense MLP elsewhere. Experts are megatron's SequentialMLP (one
+MLP per local expert, works on CPU) on the local backend and TE's grouped GEMM (TEGroupedMLP)
+with Transformer Engine; both hold the same weights per expert."""
 from __future__ import annotations
 
 import copy
@@ -33,15 +38,18 @@ def resolve_backend(requested: Backend = "auto") -> str:
     return backend
 
 
-def layer_spec(model_config: ModelConfig, context_parallel: int = 1, backend: Backend = "auto"):
-    """The ModuleSpec of one decoder layer."""
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
+def layer_spec(model_config: ModelConfig, context_parallel: int = 1, backend: Backend = "auto",
+               sparse: bool = False):
+    """The ModuleSpec of one decoder layer (a MoE layer with `sparse`)."""
+    from megatron_grpo.launch.mcore_compat import local_layer_spec, transformer_engine_layer_spec
 
+    experts = model_config.num_experts if sparse else None
     if resolve_backend(backend) == "te":
         # TE's attention implements context parallelism itself.
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model_config.qk_norm)
-    spec = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=model_config.qk_norm, normalization="RMSNorm"))
+        return transformer_engine_layer_spec(qk_layernorm=model_config.qk_norm, num_experts=experts,
+                                             moe_grouped_gemm=sparse)
+    spec = copy.deepcopy(local_layer_spec(qk_layernorm=model_config.qk_norm, normalization="RMSNorm",
+                                          num_experts=experts))
     if context_parallel > 1:
         # megatron's local DotProductAttention asserts CP == 1 and refuses packed sequences.
         from megatron_grpo.ops.context_parallel import ContextParallelDotProductAttention as core_attention
@@ -50,3 +58,23 @@ def layer_spec(model_config: ModelConfig, context_parallel: int = 1, backend: Ba
         from megatron_grpo.ops.varlen_attention import PackedDotProductAttention as core_attention
     spec.submodules.self_attention.submodules.core_attention = core_attention
     return spec
+
+
+def block_spec(model_config: ModelConfig, config, context_parallel: int = 1, backend: Backend = "auto",
+               vp_stage: int | None = None):
+    """What GPTModel's transformer_layer_spec takes for this rank's pipeline stage: one layer spec
+    for dense models; for MoE models the block of this stage's layers, each sparse or dense."""
+    if not model_config.is_moe:
+        return layer_spec(model_config, context_parallel, backend)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron_grpo.launch.mcore_compat import stage_layer_range
+
+    dense = layer_spec(model_config, context_parallel, backend)
+    sparse = layer_spec(model_config, context_parallel, backend, sparse=True)
+    first, count = stage_layer_range(config, vp_stage)
+    layers = [sparse if i in model_config.moe_layers else dense for i in range(first, first + count)]
+    # The final norm: the module megatron picks for a single-layer spec (TE's, apex's or torch's).
+    from megatron.core.transformer.transformer_block import LayerNormImpl
+
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl)

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 # Each exercises one architecture's special features: qwen2 (q/k/v bias, untied), qwen3 (q/k norm,
-# head_dim 32 != hidden/heads 16, tied), llama (llama3 rope scaling with non-default factors, untied).
+# head_dim 32 != hidden/heads 16, tied), llama (llama3 rope scaling with non-default factors, untied),
+# qwen3_moe (routed experts with a dense layer between sparse ones).
 TINY_CONFIGS: dict[str, dict] = {
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=250,
@@ -23,6 +24,14 @@ TINY_CONFIGS: dict[str, dict] = {
                   rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 8.0, "original_max_position_embeddings": 64},
                   rope_theta=500000.0),
+    # 8 experts, top-2, renormalised (Qwen3-30B-A3B's norm_topk_prob); layer 2 dense (mlp_only_layers),
+    # so a PP2 split has a dense layer on the second stage; untied like Qwen3-30B-A3B.
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=64,
+                      intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[2], num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=250,
+                      max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                      tie_word_embeddings=False),
 }
 
 
