@@ -232,7 +232,7 @@ def _parse_moe(hf: Mapping, spec: ArchitectureSpec, num_layers: int, where: str)
     top_k = int(_require(hf, "num_experts_per_tok", where))
     if not 1 <= top_k <= experts:
         raise ConfigError(f"{where}: num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
-    step = int(hf.get("decoder_sparse_step") or 1)
+    step = int(hf["decoder_sparse_step"]) if hf.get("decoder_sparse_step") is not None else 1
     if step < 1:
         raise ConfigError(f"{where}: decoder_sparse_step={step} must be >= 1")
     dense_only = hf.get("mlp_only_layers") or []
