@@ -158,3 +158,53 @@ def test_moe_logits_match_hf_and_export_is_bitwise(hf_moe, tp, pp, ep, etp):
     different = [name for name in original if not torch.equal(exported[name], original[name])]
     assert not different, f"HF -> Megatron -> HF changed {different[:5]}"
     assert all(not r[1] for r in results[1:])  # the export arrives on rank 0 only
+
+
+def _cli(rank, world_size, argv):
+    from megatron_grpo.convert.cli import main
+
+    return main(argv)
+
+
+def _same_safetensors(a_dir, b_dir) -> list[str]:
+    """Names whose tensors differ (or exist on one side only) between two HF folders."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    def tensors(folder):
+        out = {}
+        for file in sorted(Path(folder).glob("*.safetensors")):
+            out.update(load_file(str(file)))
+        return out
+
+    a, b = tensors(a_dir), tensors(b_dir)
+    return sorted(set(a) ^ set(b)) + [n for n in sorted(set(a) & set(b))
+                                       if a[n].dtype != b[n].dtype or not torch.equal(a[n], b[n])]
+
+
+@pytest.mark.slow
+def test_convert_tools_at_expert_parallel(hf_moe, tmp_path):
+    """hf-to-megatron at EP2 (2 ranks), back to HF at EP1 (1 process) and at EP2 x TP2 (4 ranks):
+    both folders hold the original tensors bit for bit."""
+    path, _ = hf_moe
+    ckpt = str(tmp_path / "mcore")
+    assert run_distributed(_cli, 2, args=(["hf-to-megatron", "--hf", path, "--out", ckpt, "--ep", "2"],),
+                           timeout=300)[0] == 0
+    single, spread = tmp_path / "hf_ep1", tmp_path / "hf_ep2tp2"
+    assert run_distributed(_cli, 1, args=(["megatron-to-hf", "--ckpt", ckpt, "--out", str(single)],),
+                           timeout=300)[0] == 0
+    assert run_distributed(_cli, 4, args=(["megatron-to-hf", "--ckpt", ckpt, "--out", str(spread), "--ep", "2",
+                                           "--tp", "2", "--etp", "1"],), timeout=300)[0] == 0
+    assert _same_safetensors(path, single) == []
+    assert _same_safetensors(path, spread) == []
+
+
+def test_convert_refuses_an_expert_split_that_does_not_divide(hf_moe, tmp_path, capsys):
+    from megatron_grpo.convert.cli import main
+
+    path, _ = hf_moe
+    assert main(["hf-to-megatron", "--hf", path, "--out", str(tmp_path / "x"), "--ep", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --ep 3 / --etp 1: {path}/config.json: expert parallel size 3 does not divide "
+                   f"num_experts = 8"]

@@ -23,6 +23,9 @@ EPILOG_HF_TO_MEGATRON = """examples:
   # 4 processes, each loading only its shard
   torchrun --nproc-per-node 4 tools/convert_hf_to_megatron.py --hf /models/Llama-3.1-8B \\
       --out /ckpt/llama31-8b --tp 2 --pp 2
+  # a MoE model, experts spread over 8 ranks (the checkpoint still loads at any TP / PP / EP)
+  torchrun --nproc-per-node 8 tools/convert_hf_to_megatron.py --hf /models/Qwen3-30B-A3B \\
+      --out /ckpt/qwen3-30b-a3b --ep 8
 """
 EPILOG_MEGATRON_TO_HF = """examples:
   megatron-grpo convert megatron-to-hf --ckpt /ckpt/qwen3-8b-mcore --out /export/qwen3-8b-hf
@@ -47,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     h2m.add_argument("--tp", type=int, default=1, help="target tensor parallel size (vocab padding, and the "
                                                        "sharding used when run under torchrun)")
     h2m.add_argument("--pp", type=int, default=1, help="pipeline parallel size when run under torchrun")
+    _add_expert_arguments(h2m)
     h2m.add_argument("--vocab-multiple", type=int, default=128,
                      help="pad the vocabulary to a multiple of this times --tp (default 128)")
     h2m.add_argument("--dtype", choices=["auto", *_DTYPES], default="auto",
@@ -74,9 +78,28 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                              "checkpoint's config must match it)")
     parser.add_argument("--tp", type=int, default=1, help="TP size to load with under torchrun")
     parser.add_argument("--pp", type=int, default=1, help="PP size to load with under torchrun")
+    _add_expert_arguments(parser)
     parser.add_argument("--max-shard-size", type=str, default="5GB",
                         help="safetensors shard size, e.g. 5GB, 500MB")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+
+
+def _add_expert_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert parallel size under torchrun (MoE models: experts spread over EP ranks)")
+    parser.add_argument("--etp", type=int, default=None,
+                        help="expert tensor parallel size under torchrun (default: --tp)")
+
+
+def check_expert_layout(cfg, args, where: str) -> None:
+    """--ep / --etp split the model's experts (one ConfigError naming the option otherwise)."""
+    etp = args.tp if args.etp is None else args.etp
+    if args.ep < 1 or etp < 1:
+        raise ConfigError(f"--ep {args.ep} / --etp {etp}: expected integers >= 1")
+    try:
+        cfg.check_expert_parallel(args.ep, etp)
+    except ConfigError as exc:
+        raise ConfigError(f"--ep {args.ep} / --etp {etp}: {where}: {exc}") from None
 
 
 def parse_size(text: str) -> int:
@@ -141,7 +164,7 @@ class _Distributed:
             parallel_state.destroy_model_parallel()
 
 
-def _layout_for(dist, tp: int, pp: int):
+def _layout_for(dist, tp: int, pp: int, ep: int = 1, etp: int | None = None):
     from megatron_grpo.launch.parallel import ParallelLayout
 
     world = dist.get_world_size()
@@ -149,7 +172,11 @@ def _layout_for(dist, tp: int, pp: int):
         return ParallelLayout()
     if world % (tp * pp):
         raise CheckpointError(f"world size {world} is not a multiple of --tp {tp} x --pp {pp}")
-    return ParallelLayout(tensor=tp, pipeline=pp)
+    expert_ranks = ep * (tp if etp is None else etp) * pp
+    if world % expert_ranks:
+        raise CheckpointError(f"world size {world} is not a multiple of --ep {ep} x --etp {tp if etp is None else etp} "
+                              f"x --pp {pp}")
+    return ParallelLayout(tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp)
 
 
 def hf_to_megatron(args) -> Path:
@@ -163,11 +190,12 @@ def hf_to_megatron(args) -> Path:
     _check_output(args.out, args.force)
     cfg = ModelConfig.from_hf(args.hf, tensor_parallel=args.tp, vocab_multiple=args.vocab_multiple)
     check_layout_fits(cfg, args.tp, args.pp, f"{args.hf}/config.json")
+    check_expert_layout(cfg, args, f"{args.hf}/config.json")
     dtype = _DTYPES[args.dtype] if args.dtype != "auto" else (hf_config_dtype(cfg) or torch.float32)
     if dtype not in _DTYPES.values():
         raise CheckpointError(f"{args.hf}/config.json: dtype {dtype} cannot be stored; pass --dtype fp32 or bf16")
     with _Distributed() as dist:
-        layout = _layout_for(dist, args.tp, args.pp)
+        layout = _layout_for(dist, args.tp, args.pp, args.ep, args.etp)
         initialize_model_parallel(layout)
         chunks = build_model(cfg, layout, dtype=dtype)
         load_hf_weights(chunks, cfg, args.hf, progress=dist.get_rank() == 0)
@@ -192,8 +220,9 @@ def megatron_to_hf(args) -> Path:
     if args.hf_reference is not None and source.step is None:
         check_hf_config_matches(source.model_config, args.hf_reference)
     check_layout_fits(source.model_config, args.tp, args.pp, source.label)
+    check_expert_layout(source.model_config, args, source.label)
     with _Distributed() as dist:
-        layout = _layout_for(dist, args.tp, args.pp)
+        layout = _layout_for(dist, args.tp, args.pp, args.ep, args.etp)
         initialize_model_parallel(layout)
         export_checkpoint_to_hf(source, args.out, layout=layout, max_shard_bytes=max_shard_bytes,
                                 overwrite=args.force, assets_dir=args.hf_reference,
