@@ -141,6 +141,16 @@ def build_model(model_config: ModelConfig, layout: ParallelLayout | None = None,
     """This rank's model chunks (one per virtual pipeline stage; one without VPP).
 
     bf16 chunks are wrapped in megatron's Float16Module (fp32 logits out), as megatron-LM does."""
+    chunks = _build(model_config, layout, dtype, backend, recompute)
+    if model_config.is_moe and chunks[0].config.tensor_model_parallel_size > 1 and not chunks[0].config.sequence_parallel:
+        # megatron-core's MoELayer refuses to train so (ValueError at the first forward).
+        raise ConfigError("a mixture-of-experts model with parallel.tensor > 1 trains only with "
+                          "parallel.sequence_parallel=true (megatron-core's MoE layer requires it)")
+    return chunks
+
+
+def _build(model_config: ModelConfig, layout: ParallelLayout | None, dtype: torch.dtype, backend: Backend,
+           recompute: Recompute) -> list[torch.nn.Module]:
     from megatron.core import parallel_state as ps
 
     actual = current_layout(layout.sequence_parallel if layout else False)
@@ -193,7 +203,7 @@ def _build_chunk(model_config, config, spec, pre_process, post_process, vp_stage
 def build_reference_model(model_config: ModelConfig, layout: ParallelLayout | None = None, *,
                           dtype: torch.dtype = torch.float32, backend: Backend = "auto") -> list[torch.nn.Module]:
     """Same network as build_model, frozen (requires_grad False) and in eval mode; no optimizer."""
-    chunks = build_model(model_config, layout, dtype=dtype, backend=backend)
+    chunks = _build(model_config, layout, dtype, backend, Recompute())
     for chunk in chunks:
         chunk.eval()
         chunk.requires_grad_(False)
