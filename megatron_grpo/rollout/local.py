@@ -18,6 +18,7 @@ from megatron_grpo.rollout.engine import NamedTensors, RolloutEngine
 from megatron_grpo.rollout.sampling import make_state, sample_tokens
 from megatron_grpo.rollout.types import (EngineHealth, GenerationRequest, Sample, SamplingParams,
                                          derive_sample_seed)
+from megatron_grpo.models.hf_moe import RoutedExpertsRecorder, fuse_expert_tensors, sparse_blocks
 from megatron_grpo.rollout.weights import HFWeightLoader, WeightLoadReport
 
 # Compact the batch once this fraction of its rows has finished: the copy of the KV cache costs
@@ -36,6 +37,7 @@ class _Row:
     response: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
+    routed: list[torch.Tensor] = field(default_factory=list)  # MoE: [positions, layers, k] pieces
     matched: int | str | None = None
 
 
@@ -70,6 +72,8 @@ class LocalEngine(RolloutEngine):
         # transformers >= 5.x renamed past_key_values to cache; accept both generations.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in params
+        # MoE models: every sample carries the experts each position was routed to (routing replay)
+        self._recorder = RoutedExpertsRecorder(self.model) if sparse_blocks(self.model) else None
 
     # ----- construction -----------------------------------------------------------------------
     @classmethod
@@ -129,7 +133,8 @@ class LocalEngine(RolloutEngine):
         return [Sample(group_id=requests[r.request_index].group_id, sample_index=r.sample_index,
                        prompt_ids=list(requests[r.request_index].prompt_ids), response_ids=r.response,
                        logprobs=r.logprobs, finish_reason=r.finish, weight_version=version,
-                       matched_stop=r.matched) for r in rows]
+                       matched_stop=r.matched, routed_experts=torch.cat(r.routed) if r.routed else None)
+                for r in rows]
 
     def abort(self) -> None:
         """Ends every generate() call begun before this one (running, or waiting for the model):
@@ -142,7 +147,7 @@ class LocalEngine(RolloutEngine):
     def load_weights(self, named_tensors: NamedTensors, version: int) -> WeightLoadReport:
         """update_weights, returning what was loaded (tensors, bytes)."""
         with self._lock:
-            report = self._loader.load(named_tensors, require_all=True)
+            report = self._loader.load(fuse_expert_tensors(named_tensors, self.model), require_all=True)
             self._version = int(version)
         return report
 
@@ -212,6 +217,10 @@ class LocalEngine(RolloutEngine):
         positions = (mask.cumsum(-1) - 1).clamp_(min=0)
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(input_ids, mask, positions, cache)
+        if self._recorder is not None:  # each prompt's positions, shared by its n samples
+            prefill = self._recorder.take(len(prompts), width)
+            for row in rows:
+                row.routed = [prefill[slot_of[row.request_index], width - len(prompts[slot_of[row.request_index]]):]]
 
         # One prefill per distinct prompt; its cache rows are repeated for the prompt's n samples.
         expand = torch.tensor([slot_of[r.request_index] for r in rows], device=device)
@@ -248,6 +257,11 @@ class LocalEngine(RolloutEngine):
                 batch = [batch[i] for i in alive]
             mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
             logits = self._forward(tokens[:, None], mask, next_pos[:, None], cache)
+            if self._recorder is not None:  # the token just fed: recorded for rows it continues
+                step = self._recorder.take(len(batch), 1)
+                for row, routes in zip(batch, step):
+                    if row.finish is None:
+                        row.routed.append(routes)
             next_pos = next_pos + 1
 
     def _check_finished(self, row: _Row, token: int, stop_window: int) -> None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
@@ -83,6 +83,10 @@ class Sample:
     finish_reason: FinishReason
     weight_version: int
     matched_stop: int | str | None = None  # the stop token id or stop string that ended it
+    # MoE engines: the experts every position was routed to, SGLang's return_routed_experts layout:
+    # int32 [len(prompt) + len(response) - 1, num_hidden_layers, top_k] (-1 on dense layers); the
+    # last token is never fed back, so it has none. None: a dense model, or not asked for.
+    routed_experts: Any = None
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:

@@ -40,6 +40,8 @@ class TrainSample:
     # Filled by the log-prob passes (one value per response token), when needed.
     old_logprobs: list[float] | None = None
     ref_logprobs: list[float] | None = None
+    # MoE routing replay: the engine's experts per position, [length - 1, layers, k] (models/routing_replay.py)
+    routed_experts: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -127,13 +129,15 @@ class MicroBatch:
     packed: PackedSequences | None = None                             # None: padded rows
     useful_tokens: int = 0       # prompt + response tokens of the sequences
     processed_tokens: int = 0    # tokens the model runs over (all CP ranks together), padding included
+    routed_experts: torch.Tensor | None = None  # [b, s, layers, k] engine expert id + 1, 0 = none (replay)
 
     def map_positions(self, fn) -> "MicroBatch":
         """A copy with `fn` applied to every per-position [b, s] tensor (row metadata kept)."""
         return dataclasses.replace(
             self, tokens=fn(self.tokens), position_ids=fn(self.position_ids), targets=fn(self.targets),
             loss_mask=fn(self.loss_mask), advantages=fn(self.advantages),
-            per_token={name: fn(values) for name, values in self.per_token.items()})
+            per_token={name: fn(values) for name, values in self.per_token.items()},
+            routed_experts=None if self.routed_experts is None else _per_slot(fn, self.routed_experts))
 
     def rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """A per-position tensor as one row per sequence (what the loss aggregates over)."""
@@ -145,6 +149,26 @@ class MicroBatch:
             return self.packed.cu_seqlens_padded[:-1].tolist()
         width = self.processed_tokens // max(self.tokens.shape[0], 1)
         return [r * width for r in range(self.tokens.shape[0])]
+
+
+def _per_slot(fn, routes: torch.Tensor) -> torch.Tensor:
+    """`fn` (made for [b, s] tensors) applied to each [b, s] slice of [b, s, layers, k] routes."""
+    flat = routes.reshape(*routes.shape[:2], -1)
+    out = torch.stack([fn(flat[..., j]) for j in range(flat.shape[-1])], dim=-1)
+    return out.reshape(*out.shape[:2], *routes.shape[2:])
+
+
+def _routes(rows: list[TrainSample], shape: tuple[int, int], starts: list[int]) -> torch.Tensor | None:
+    """[b, s, layers, k] routes (expert id + 1, 0 = none) of rows placed at (row, start) of a
+    [b, s] layout: row i at shape row i (padded) or at column starts[i] of row 0 (packed)."""
+    if not rows or rows[0].routed_experts is None:
+        return None
+    out = torch.zeros(*shape, *torch.as_tensor(rows[0].routed_experts).shape[1:], dtype=torch.int32)
+    for i, (row, start) in enumerate(zip(rows, starts)):
+        routes = torch.as_tensor(row.routed_experts)[: row.length - 1] + 1
+        target = out[0] if shape[0] == 1 else out[i]
+        target[start:start + routes.shape[0]] = routes.to(out.dtype)
+    return out
 
 
 def balance_into_micro_batches(lengths: list[int], max_tokens: int, min_micro_batches: int = 1) -> list[list[int]]:
@@ -227,7 +251,7 @@ def collate(samples: list[TrainSample], indices: list[int], pad_to_multiple: int
     return MicroBatch(tokens=tokens, position_ids=position_ids, targets=targets, loss_mask=loss_mask,
                       advantages=advantages, per_token=per_token, sample_indices=list(indices),
                       row_token_counts=loss_mask.sum(-1).long(), useful_tokens=sum(row.length for row in rows),
-                      processed_tokens=batch * seq_len)
+                      processed_tokens=batch * seq_len, routed_experts=_routes(rows, (batch, seq_len), [0] * len(rows)))
 
 
 def collate_packed(samples: list[TrainSample], indices: list[int], sequence_multiple: int = 1,
@@ -272,7 +296,8 @@ def collate_packed(samples: list[TrainSample], indices: list[int], sequence_mult
                       row_token_counts=torch.tensor([len(row.response_ids) for row in rows] or [0]),
                       packed=PackedSequences(cu_seqlens=cu_seqlens,
                                              cu_seqlens_padded=torch.tensor(bounds, dtype=torch.int32)),
-                      useful_tokens=sum(row.length for row in rows), processed_tokens=total)
+                      useful_tokens=sum(row.length for row in rows), processed_tokens=total,
+                      routed_experts=_routes(rows, (1, total), bounds[:len(rows)]))
 
 
 def _place(row: TrainSample, tokens: torch.Tensor, loss_mask: torch.Tensor, advantages: torch.Tensor,

@@ -43,7 +43,10 @@ def _geometry(micro_batches: list[MicroBatch]) -> StepGeometry:
 
 
 def _forward_step(loss_func, data_iterator, model):
+    from megatron_grpo.models.routing_replay import set_micro_batch_routes
+
     micro_batch: MicroBatch = next(data_iterator)
+    set_micro_batch_routes(model, micro_batch.routed_experts)  # MoE routing replay; None: own top-k
     if micro_batch.packed is None:
         output = model(micro_batch.tokens, micro_batch.position_ids, None)
     else:

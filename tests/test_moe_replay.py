@@ -1,0 +1,122 @@
+"""Rollout routing replay (models/routing_replay.py, models/hf_moe.py, rollout/local.py).
+
+The local engine samples from the tiny Qwen3-MoE and records, per position and layer, the experts
+it routed to. The trainer (megatron, the same weights) recomputes the response log-probs with the
+trainer's own pieces (micro-batches, fill_logprobs). Perturbing the trainer's router weights
+slightly (relative 2e-2) stands for the engine/trainer numerics mismatch of a real run: without
+replay some tokens' top-k flips and the engine-vs-trainer log-prob gap grows (measured: 2.6e-7
+unperturbed -> 1.1e-2 mean |diff|); with replay the trainer uses the engine's experts (gate weights
+from its own, perturbed, router) and only the smooth part of the perturbation is left, what a dense
+model shows for a perturbed weight (no discrete choice to flip): measured 6.4e-4. Both parts grow
+linearly with the perturbation (flips in proportion to the near-ties it crosses), so their ratio,
+~18, does not depend on its size; the test asks for 10.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_grpo.models.tiny import save_tiny_hf_model
+from megatron_grpo.testing.distributed import run_distributed
+
+PERTURBATION = 2e-2
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    return str(save_tiny_hf_model("qwen3_moe", tmp_path_factory.mktemp("replay") / "hf", seed=1))
+
+
+def _engine_samples(path):
+    from megatron_grpo.rollout.local import LocalEngine
+    from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
+
+    engine = LocalEngine.from_pretrained(path, eos_token_ids=[], seed=0)
+    rng = torch.Generator().manual_seed(0)
+    requests = [GenerationRequest(prompt_ids=tuple(torch.randint(0, 250, (length,), generator=rng).tolist()),
+                                  sampling=SamplingParams(n=3, max_new_tokens=12, seed=11 + i), group_id=str(i))
+                for i, length in enumerate((3, 9, 5, 14))]
+    return engine, engine.generate(requests)
+
+
+def test_local_engine_records_the_routes_of_every_fed_position(moe_path):
+    """Routes of prompt + response[:-1]: equal to the HF model's own routing of the full sequence
+    in one forward (the KV-cache decode routes the same tokens the same way)."""
+    from megatron_grpo.models.hf_moe import RoutedExpertsRecorder
+
+    engine, samples = _engine_samples(moe_path)
+    recorder = RoutedExpertsRecorder(engine.model)
+    for sample in samples:
+        sequence = sample.prompt_ids + sample.response_ids
+        routes = sample.routed_experts
+        assert tuple(routes.shape) == (len(sequence) - 1, 4, 2) and routes.dtype == torch.int32
+        assert (routes[:, 2] == -1).all() and (routes[:, [0, 1, 3]] >= 0).all()  # layer 2 is dense
+        with torch.no_grad():
+            engine.model(torch.tensor([sequence]))
+        full = recorder.take(1, len(sequence))[0, :-1]
+        same = (torch.sort(full, dim=-1).values == torch.sort(routes, dim=-1).values).all(dim=-1).float().mean()
+        assert same >= 0.99, f"{same:.3f} of (position, layer) routes agree"
+    recorder.remove()
+
+
+def test_fused_expert_weights_load_into_the_engine(moe_path):
+    """The exporter's per-expert names reach transformers 5's fused expert parameters."""
+    from safetensors.torch import load_file
+
+    from megatron_grpo.models.hf_moe import ExpertStreamError
+    from megatron_grpo.rollout.local import LocalEngine
+
+    tensors = load_file(f"{moe_path}/model.safetensors")
+    engine = LocalEngine.from_pretrained(moe_path)
+    doubled = {name: 2 * tensor for name, tensor in tensors.items()}
+    report = engine.load_weights(doubled.items(), version=3)
+    assert report.missing == [] and engine.weight_version == 3
+    experts = engine.model.model.layers[1].mlp.experts
+    assert torch.equal(experts.gate_up_proj[5], torch.cat([doubled["model.layers.1.mlp.experts.5.gate_proj.weight"],
+                                                           doubled["model.layers.1.mlp.experts.5.up_proj.weight"]]))
+    assert torch.equal(experts.down_proj[7], doubled["model.layers.1.mlp.experts.7.down_proj.weight"])
+    partial = [(n, t) for n, t in tensors.items() if n != "model.layers.3.mlp.experts.4.up_proj.weight"]
+    with pytest.raises(ExpertStreamError, match="layer 3"):
+        engine.load_weights(partial, version=4)
+
+
+def _gaps(rank, world_size, path, samples):
+    from megatron_grpo.config import load_config
+    from megatron_grpo.convert import load_hf_weights
+    from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
+    from megatron_grpo.models import ModelConfig, build_reference_model
+    from megatron_grpo.models.routing_replay import moe_routers
+    from megatron_grpo.trainer.batching import TrainSample
+    from megatron_grpo.trainer.train_step import fill_logprobs
+
+    cfg = load_config("tiny_cpu", ["rollout.n=3", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4"])
+    initialize_model_parallel(ParallelLayout(), seed=1)
+    mc = ModelConfig.from_hf(path, vocab_multiple=8)
+    chunks = build_reference_model(mc)
+    load_hf_weights(chunks, mc, path)
+
+    def gap(replay: bool) -> float:
+        batch = [TrainSample(s.prompt_ids, s.response_ids, 1.0, rollout_logprobs=s.logprobs,
+                             routed_experts=s.routed_experts if replay else None) for s in samples]
+        fill_logprobs(chunks, batch, cfg, "old_logprobs", model_config=mc, temperature=1.0, device=torch.device("cpu"))
+        diffs = np.concatenate([np.abs(np.array(s.old_logprobs) - np.array(s.rollout_logprobs)) for s in batch])
+        return float(diffs.mean())
+
+    out = {"same": gap(False), "same_replay": gap(True)}
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for _, router in moe_routers(chunks[0]):
+            weight = router.weight
+            weight.add_(PERTURBATION * weight.abs().mean() * torch.randn(weight.shape, generator=generator))
+    out["perturbed"], out["perturbed_replay"] = gap(False), gap(True)
+    return out
+
+
+def test_replay_removes_the_routing_part_of_the_gap(moe_path):
+    _, samples = _engine_samples(moe_path)
+    gaps = run_distributed(_gaps, 1, args=(moe_path, samples), timeout=300)[0]
+    print({k: f"{v:.2e}" for k, v in gaps.items()})
+    assert gaps["same"] < 1e-5 and gaps["same_replay"] < 1e-5  # fp32 numerics only
+    assert gaps["perturbed"] > 10 * gaps["perturbed_replay"]
+    assert gaps["perturbed_replay"] > 10 * gaps["same"]  # the gate weights still come from the perturbed router
