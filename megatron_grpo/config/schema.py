@@ -74,6 +74,10 @@ class DataConfig:
 @dataclass(frozen=True)
 class LocalEngineConfig:
     max_batch_size: Optional[int] = None  # sequences generated at once; None = the whole step
+    # The engine in a process of its own (rollout/engine_process.py): it generates while the
+    # trainer trains and takes weights through shared memory. None = when rollout.max_staleness > 0.
+    process: Optional[bool] = None
+    threads: int = 1  # torch threads of the engine's own process
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,14 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     weight_bucket_mb: int = 512  # size of one weight-sync bucket
+    # Asynchronous GRPO (trainer/rollout_pipeline.py): generation for the next steps runs while the
+    # current step trains; no sample is trained more than K weight versions after the one that
+    # generated it (older ones are dropped and counted). 0 = the on-policy loop (generate, train, sync).
+    max_staleness: int = 0
+    # Who sends the weights: per_stage = each pipeline stage's first tensor-parallel rank streams its
+    # own layers to the engines (local engine in its own process, SGLang distributed); rank0 = every
+    # stage through global rank 0; auto = per_stage where the engine takes it.
+    weight_sync_route: Literal["auto", "per_stage", "rank0"] = "auto"
     local: LocalEngineConfig = field(default_factory=LocalEngineConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
@@ -161,6 +173,24 @@ class AlgorithmConfig:
 @dataclass(frozen=True)
 class PolicyLossConfig:
     loss_mode: str = "vanilla"  # vanilla | gspo | a registered policy loss (checked in validate.py)
+
+
+@dataclass(frozen=True)
+class OffPolicyConfig:
+    """Corrections for samples the trained weights did not generate (algo/off_policy.py, with sources):
+    rho = pi_prox / pi_behav, the trainer's log-probs of the weights at the step start over the
+    engine's; not in verl under these names (verl: algorithm.rollout_correction)."""
+
+    # decoupled: the PPO ratio against pi_prox, each token weighted by w(rho) (AReaL);
+    # behaviour: the PPO ratio against the engine's log-probs, no weight (verl's bypass mode)
+    objective: Literal["decoupled", "behaviour"] = "decoupled"
+    is_level: Optional[Literal["token", "sequence"]] = None  # truncated IS w = min(rho, is_cap); None = off
+    is_cap: float = 2.0
+    # rejection (masked IS): weight 0 where rho (token, sequence = product, geometric = mean in log
+    # space) leaves [rs_low, rs_high]; None = off. rs_low None = 1 / rs_high.
+    rs_level: Optional[Literal["token", "sequence", "geometric"]] = None
+    rs_low: Optional[float] = None
+    rs_high: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -205,6 +235,7 @@ class ActorConfig:
     entropy_coeff: float = 0.0
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     tis_cap: Optional[float] = None  # truncated importance sampling vs rollout log-probs; None = off
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     grad_clip: Optional[float] = 1.0  # None = no clipping
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -273,6 +304,9 @@ class TrainerConfig:
     seed: int = 1234
     device: Device = "auto"  # auto = cuda when available
     max_consecutive_nan_steps: int = 3  # skipped non-finite updates in a row before the run stops
+    # torch threads of the trainer process; None = torch's default, or with the local engine in its
+    # own process on CPU the cores it leaves (cores - rollout.local.threads, at least 1)
+    num_threads: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -126,8 +126,32 @@ def _rollout(c: Config, out: list[str]) -> None:
         out.append(f"rollout.weight_bucket_mb={r.weight_bucket_mb} must be >= 1")
     if r.local.max_batch_size is not None and r.local.max_batch_size < 1:
         out.append(f"rollout.local.max_batch_size={r.local.max_batch_size} must be >= 1 or null")
+    if r.local.threads < 1:
+        out.append(f"rollout.local.threads={r.local.threads} must be >= 1")
+    _asynchronous(c, out)
     if r.engine == "sglang":
         _sglang(c, out)
+
+
+def _asynchronous(c: Config, out: list[str]) -> None:
+    """rollout.max_staleness and the weight-sync route need an engine that can take them."""
+    r = c.rollout
+    if r.max_staleness < 0:
+        out.append(f"rollout.max_staleness={r.max_staleness} must be >= 0 (0 = on-policy, synchronous)")
+    in_process = r.engine == "local" and r.local.process is False
+    if r.max_staleness > 0 and in_process:
+        out.append(f"rollout.max_staleness={r.max_staleness} needs the local engine in its own process to generate "
+                   f"while the trainer trains: rollout.local.process=false runs it in the trainer's")
+    if r.max_staleness > 0 and r.engine == "sglang" and r.sglang.weight_sync == "tensor":
+        out.append("rollout.max_staleness > 0 with rollout.sglang.weight_sync=tensor: colocated engines give the GPU "
+                   "to training, so they cannot generate during it; use weight_sync=distributed")
+    if r.weight_sync_route == "per_stage":
+        if r.engine == "local" and (in_process or (r.local.process is None and r.max_staleness == 0)):
+            out.append("rollout.weight_sync_route=per_stage needs the local engine in its own process "
+                       "(rollout.local.process=true): in the trainer's process only rank 0 can reach it")
+        if r.engine == "sglang" and r.sglang.weight_sync != "distributed":
+            out.append(f"rollout.weight_sync_route=per_stage streams to SGLang over weight_sync=distributed "
+                       f"(got {r.sglang.weight_sync})")
 
 
 def _sglang(c: Config, out: list[str]) -> None:
@@ -210,9 +234,29 @@ def _actor(c: Config, out: list[str]) -> None:
         out.append(f"actor.loss_scale_factor={a.loss_scale_factor} must be > 0 or null")
     if a.tis_cap is not None and a.tis_cap <= 0:
         out.append(f"actor.tis_cap={a.tis_cap} must be > 0 or null (off)")
+    _off_policy(c, out)
     if a.grad_clip is not None and a.grad_clip <= 0:
         out.append(f"actor.grad_clip={a.grad_clip} must be > 0 or null (off)")
     _optim(c, out)
+
+
+def _off_policy(c: Config, out: list[str]) -> None:
+    from dataclasses import asdict
+
+    from megatron_grpo.algo.off_policy import OffPolicyConfig
+
+    o = c.actor.off_policy
+    try:
+        algo = OffPolicyConfig(**asdict(o))
+    except ConfigError as exc:
+        out.append(f"actor.{exc}")
+        return
+    if algo.is_level is not None and c.actor.tis_cap is not None:
+        out.append("actor.tis_cap and actor.off_policy.is_level are both set: actor.tis_cap is token-level "
+                   "truncated IS (actor.off_policy.is_level=token, is_cap); set one")
+    if c.parallel.context > 1 and (o.is_level == "sequence" or o.rs_level in ("sequence", "geometric")):
+        out.append("actor.off_policy: sequence / geometric levels need whole responses on a rank "
+                   f"(parallel.context={c.parallel.context} splits them); use the token level")
 
 
 def _optim(c: Config, out: list[str]) -> None:
@@ -268,6 +312,8 @@ def _trainer(c: Config, out: list[str]) -> None:
         out.append(f"trainer.total_steps={t.total_steps} must be >= 1 or null")
     if t.max_consecutive_nan_steps < 1:
         out.append(f"trainer.max_consecutive_nan_steps={t.max_consecutive_nan_steps} must be >= 1")
+    if t.num_threads is not None and t.num_threads < 1:
+        out.append(f"trainer.num_threads={t.num_threads} must be >= 1 or null")
 
 
 def _eval(c: Config, out: list[str]) -> None:

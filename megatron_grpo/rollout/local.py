@@ -41,6 +41,14 @@ class _Row:
     matched: int | str | None = None
 
 
+def _names_per_storage(model: torch.nn.Module) -> dict[str, list[str]]:
+    """First name of each parameter storage -> all its names (tied embeddings have two)."""
+    by_storage: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_storage.setdefault(id(param), []).append(name)
+    return {names[0]: names for names in by_storage.values()}
+
+
 def _as_id_list(value: Any) -> list[int]:
     if value is None:
         return []
@@ -63,6 +71,7 @@ class LocalEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
         self._loader = HFWeightLoader(self.model)
+        self._aliases = _names_per_storage(self.model)
         self._lock = threading.RLock()  # generate and update_weights never interleave
         self._abort_epoch = 0  # abort() bumps it; a generate() that began before is aborted
         self._version = 0
@@ -143,6 +152,10 @@ class LocalEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         self.load_weights(named_tensors, version)
+
+    def parameters_missing_from(self, names: set[str]) -> list[str]:
+        """The model's parameters (one name per shared storage) that `names` leaves without weights."""
+        return sorted(first for first, aliases in self._aliases.items() if not any(a in names for a in aliases))
 
     def load_weights(self, named_tensors: NamedTensors, version: int) -> WeightLoadReport:
         """update_weights, returning what was loaded (tensors, bytes)."""

@@ -4,17 +4,21 @@
     -> old / reference log-probs (only when needed) on this data-parallel rank's share
     -> packed, token-balanced micro-batches -> ppo_epochs x mini-batch updates
     -> weight sync to the rollout engine -> metrics -> eval
+
+With rollout.max_staleness = K > 0 the rollout of the next steps runs during the update
+(trainer/rollout_pipeline.py); K = 0 is the loop above, step after step.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.algo import AdvantageConfig, GlobalBatchInfo, GRPOLossConfig, PolicyLossConfig
+from megatron_grpo.algo import AdvantageConfig, GlobalBatchInfo, GRPOLossConfig, OffPolicyConfig, PolicyLossConfig
 from megatron_grpo.config import to_dict
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import MegatronGRPOError, Rank0Failure, RolloutFailure
@@ -26,7 +30,9 @@ from megatron_grpo.trainer.checkpoint import Checkpointer
 from megatron_grpo.trainer.metrics import MetricsLogger, NullLogger, SinkOptions, plot_reward_curve
 from megatron_grpo.trainer.micro_batches import padding_metrics, plan_micro_batches
 from megatron_grpo.trainer.resume import resume
+from megatron_grpo.trainer.local_engine import trainer_threads
 from megatron_grpo.trainer.rollout_phase import RolloutSettings, collect_rollout_batch
+from megatron_grpo.trainer.rollout_pipeline import RolloutPipeline
 from megatron_grpo.trainer.setup import Run, build_run, first_mini_batch_has_old_pass, old_logprobs_needed
 from megatron_grpo.trainer.signals import StopSignals
 from megatron_grpo.trainer.train_step import fill_logprobs, train_on_mini_batch
@@ -35,10 +41,14 @@ from megatron_grpo.trainer.weight_sync import sync_weights
 
 def train(cfg: Config) -> Path:
     """Runs the recipe; returns the output folder (metrics.jsonl, reward curve)."""
+    threads = trainer_threads(cfg)
+    if threads is not None:
+        torch.set_num_threads(threads)
     run = build_run(cfg)
     out = Path(cfg.logging.output_dir)
     checkpoints, stop = Checkpointer(run), StopSignals().install()
     logger = NullLogger()
+    pipeline = None
     try:
         start = resume(run, checkpoints)  # newest complete checkpoint (checkpoint.resume); 0 = fresh
         sinks = SinkOptions(output_dir=str(out), console=cfg.logging.console, tensorboard=cfg.logging.tensorboard,
@@ -47,15 +57,20 @@ def train(cfg: Config) -> Path:
         logger = rank0_only(MetricsLogger, sinks, run.total_steps, start) or logger  # rank 0's failure stops all
         if cfg.eval.before_train and start == 0:
             logger.log(0, evaluate_policy(run))
+        if cfg.rollout.max_staleness > 0 and run.is_main:
+            pipeline = RolloutPipeline(run, rollout_settings(cfg), start_step=start,
+                                       max_staleness=cfg.rollout.max_staleness).start()
         for step in range(start + 1, run.total_steps + 1):
             try:
-                metrics = grpo_step(run, step)
+                # (the synchronous call keeps grpo_step(run, step), the form tests wrap)
+                metrics = grpo_step(run, step) if pipeline is None else grpo_step(run, step, pipeline)
             except RolloutFailure:
                 if step - 1 > start and not checkpoints.due(step - 1):
                     checkpoints.save(step - 1)  # keep the finished steps, then fail cleanly
                 raise
             if cfg.eval.interval > 0 and (step % cfg.eval.interval == 0 or step == run.total_steps):
-                metrics.update(evaluate_policy(run))
+                with pipeline.paused() if pipeline is not None else contextlib.nullcontext():
+                    metrics.update(evaluate_policy(run))
             logger.log(step, metrics)
             stopping = stop.requested()  # SIGTERM / SIGUSR1 on any rank; every rank agrees
             if checkpoints.due(step) or stopping:
@@ -64,26 +79,34 @@ def train(cfg: Config) -> Path:
                 logger.message(f"stopped by {stop.name} after step {step}; checkpoint {checkpoints.last_saved}")
                 break
     finally:
+        if pipeline is not None:
+            pipeline.close()  # before the engine it generates with
         stop.uninstall()
         logger.close()
+        if run.stage_sync is not None:
+            run.stage_sync.close()
         run.close()
     if run.is_main and cfg.logging.plot:
         plot_reward_curve(out / "metrics.jsonl", out / "reward_curve.png")
     return out
 
 
-def grpo_step(run: Run, step: int) -> dict[str, float]:
+def grpo_step(run: Run, step: int, pipeline: RolloutPipeline | None = None) -> dict[str, float]:
+    """One step; with `pipeline` (rank 0, asynchronous rollouts) its batch was generated ahead."""
     cfg = run.config
     timer = PhaseTimer()
     step_start = time.perf_counter()
 
-    # 1. rollout + rewards + advantages on rank 0; every rank gets the batch.
+    # 1. rollout + rewards + advantages on rank 0 (or the pipeline's batch); every rank gets the batch.
     with timer("rollout"):
         batch = None
         if run.is_main:
             try:
-                batch = collect_rollout_batch(run.engine, lambda: next(run.sampler), run.tokenizer, run.rewards,
-                                              rollout_settings(cfg), step, cfg.data.train_batch_size)
+                if pipeline is not None:
+                    batch = pipeline.next_batch(step)
+                else:
+                    batch = collect_rollout_batch(run.engine, lambda: next(run.sampler), run.tokenizer, run.rewards,
+                                                  rollout_settings(cfg), step, cfg.data.train_batch_size)
             except MegatronGRPOError as exc:  # e.g. every SGLang server gone: all ranks must stop
                 batch = RolloutFailure(str(exc))
             except BaseException as exc:  # a bug: rank 0 raises it, the others stop with Rank0Failure
@@ -115,6 +138,8 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
 
     # 4. ppo_epochs x mini-batch updates.
     loss_config = grpo_loss_config(cfg)
+    # weight versions each sample is behind the trained weights (version step - 1): asynchronous only
+    staleness = [step - 1 - v for v in batch.versions] if cfg.rollout.max_staleness > 0 else None
     with timer("train"):
         updates = []
         for _ in range(cfg.actor.ppo_epochs):
@@ -123,7 +148,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
                     run.policy, run.optimizer, micro_batches, loss_config=loss_config,
                     batch_info=global_batch_info(micro_batches, cfg),
                     temperature=cfg.rollout.temperature, vocab_size=run.model_config.vocab_size,
-                    device=run.device, need_entropy=True))
+                    device=run.device, need_entropy=True, sample_staleness=staleness))
         run.scheduler.step(1)
     metrics.update(_mean_over_updates(updates))
     if measured:  # max |ratio - 1| at the first mini-batch: the update's forward vs the old-log-prob pass
@@ -135,6 +160,8 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     # 5. new weights to the rollout engine.
     with timer("sync"):
         metrics.update(sync_weights(run, version=step))
+    if pipeline is not None:
+        pipeline.weights_published(step)
 
     metrics.update(timer.seconds)
     metrics["time/step"] = time.perf_counter() - step_start
@@ -165,6 +192,7 @@ def grpo_loss_config(cfg: Config) -> GRPOLossConfig:
         policy_loss=a.policy_loss.loss_mode,
         policy_loss_config=PolicyLossConfig(clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
                               clip_ratio_c=a.clip_ratio_c, tis_cap=a.tis_cap),
+        off_policy=OffPolicyConfig(**dataclasses.asdict(a.off_policy)),
         loss_agg_mode=a.loss_agg_mode, use_kl_loss=a.use_kl_loss and a.kl_loss_coef != 0, kl_loss_coef=a.kl_loss_coef,
         kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff)
 

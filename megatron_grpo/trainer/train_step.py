@@ -16,12 +16,14 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.algo import GlobalBatchInfo, GRPOLossConfig, compute_grpo_loss
+from megatron_grpo.algo import GlobalBatchInfo, GRPOLossConfig, compute_grpo_loss, staleness_gap_sums
+from megatron_grpo.algo.off_policy import SAFETY_BOUND
 from megatron_grpo.ops.vocab_parallel import vocab_parallel_logprobs_and_entropy
 from megatron_grpo.trainer.batching import MicroBatch, TrainSample
 
 # Metrics reduced with MAX instead of SUM over micro-batches and ranks.
-MAX_METRICS = ("actor/ratio_max_abs_dev", "actor/logprob_abs_diff_max")
+MAX_METRICS = ("actor/ratio_max_abs_dev", "actor/logprob_abs_diff_max", "off_policy/is_ratio_max")
+_GAP_SUM, _GAP_COUNT = "off_policy/gap_sum/", "off_policy/gap_count/"
 
 
 @dataclass(frozen=True)
@@ -146,17 +148,23 @@ def fill_logprobs(model_chunks, samples: list[TrainSample], cfg, name: str, *, m
 
 def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch], *, loss_config: GRPOLossConfig,
                         batch_info: GlobalBatchInfo, temperature: float, vocab_size: int,
-                        device: torch.device, need_entropy: bool) -> dict[str, float]:
+                        device: torch.device, need_entropy: bool,
+                        sample_staleness: list[int] | None = None) -> dict[str, float]:
     """forward_backward over this rank's micro-batches, then one optimizer step.
 
     Returns mini-batch metrics (identical on every rank): loss terms and actor metrics summed over
     micro-batches and ranks (they are additive shares), grad norm, and whether the update was
-    skipped because of a non-finite gradient."""
+    skipped because of a non-finite gradient. With `sample_staleness` (weight versions each sample
+    of the batch is behind the trainer; asynchronous rollouts) also the proximal / behaviour ratio's
+    mean and max and the mean |log-prob gap| per staleness (off_policy/logprob_gap/staleness_<s>)."""
     from megatron.core import parallel_state
 
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    off_policy = loss_config.off_policy
+    needs_rollout = bool(loss_config.policy_loss_config.tis_cap) or off_policy.weighted or \
+        off_policy.objective == "behaviour"
 
     def loss_func(micro_batch: MicroBatch, logits: torch.Tensor):
         logp, entropy = vocab_parallel_logprobs_and_entropy(logits, micro_batch.targets, temperature=temperature,
@@ -172,7 +180,7 @@ def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch]
             logp, old, rows(micro_batch.advantages), mask, batch_info, loss_config,
             ref_log_prob=per_token.get("ref_logprobs"),
             entropy=entropy if need_entropy else None,
-            rollout_log_prob=per_token.get("rollout_logprobs") if loss_config.policy_loss_config.tis_cap else None,
+            rollout_log_prob=per_token.get("rollout_logprobs") if needs_rollout else None,
             seq_token_counts=micro_batch.row_token_counts)
         metrics = {"actor/loss": output.share, **output.metrics}
         zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
@@ -181,14 +189,49 @@ def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch]
             diff = torch.where(mask, logp.detach() - per_token["rollout_logprobs"], zero).abs()
             metrics["actor/logprob_abs_diff_mean"] = diff.sum() / max(batch_info.num_valid_tokens, 1)
             metrics["actor/logprob_abs_diff_max"] = diff.max()
+            if sample_staleness is not None:
+                metrics.update(_staleness_metrics(micro_batch, old, per_token["rollout_logprobs"], mask, batch_info,
+                                                  sample_staleness, with_mean=not off_policy.weighted))
         return output.loss, {k: v.detach().float().cpu() for k, v in metrics.items()}
 
     outputs = _run_schedule(model_chunks, micro_batches, loss_func, forward_only=False, device=device)
     update_ok, grad_norm, _ = optimizer.step()
-    metrics = _reduce_metrics(outputs if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else [])
+    metrics = _gap_means(_reduce_metrics(outputs if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else []))
     metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["actor/update_skipped"] = 0.0 if update_ok else 1.0
     return metrics
+
+
+def _staleness_metrics(micro_batch: MicroBatch, proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
+                       batch_info: GlobalBatchInfo, sample_staleness: list[int], with_mean: bool) -> dict:
+    """Additive shares (and one max) of the off-policy diagnostics of one micro-batch's rows."""
+    from megatron_grpo.algo import token_mean_share
+
+    row_staleness = torch.full((mask.shape[0],), -1, dtype=torch.long)  # -1: a row of padding only
+    indices = micro_batch.sample_indices
+    row_staleness[:len(indices)] = torch.tensor([sample_staleness[i] for i in indices], dtype=torch.long)
+    zero = torch.zeros((), dtype=proximal.dtype, device=proximal.device)
+    log_ratio = (proximal - behaviour).detach().clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    ratio = torch.where(mask, log_ratio.exp(), zero)
+    out = {"off_policy/is_ratio_max": ratio.max()}
+    if with_mean:  # (a weighted loss reports the mean at its own level)
+        out["off_policy/is_ratio_mean"] = token_mean_share(ratio, mask, batch_info)
+    for staleness, (total, count) in staleness_gap_sums(proximal, behaviour, mask, row_staleness).items():
+        if staleness >= 0:
+            out[f"{_GAP_SUM}{staleness}"], out[f"{_GAP_COUNT}{staleness}"] = total, count
+    return out
+
+
+def _gap_means(metrics: dict[str, float]) -> dict[str, float]:
+    """off_policy/gap_sum/<s> and gap_count/<s> (summed over micro-batches and ranks) -> the mean."""
+    out = {k: v for k, v in metrics.items() if not k.startswith((_GAP_SUM, _GAP_COUNT))}
+    for key, total in metrics.items():
+        if key.startswith(_GAP_SUM):
+            staleness = key[len(_GAP_SUM):]
+            count = metrics.get(_GAP_COUNT + staleness, 0.0)
+            if count > 0:
+                out[f"off_policy/logprob_gap/staleness_{staleness}"] = total / count
+    return out
 
 
 def _reduce_metrics(outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:

@@ -1,10 +1,13 @@
 """After each step: the policy's Megatron shards -> HF-named full tensors -> the rollout engine.
 
 Uses convert/'s streaming export, so the local engine on a CPU run goes through exactly the
-resharding that feeds SGLang on a cluster. Every rank must take part (TP gathers, PP sends), so a
-failure on rank 0 (an SGLang engine died mid-push) is held until the stream is drained and then
-told to every rank: all ranks export again and rank 0 pushes again (the engine pool restarts or
-drops the dead engine first), up to `attempts` times; then RolloutFailure on every rank.
+resharding that feeds SGLang on a cluster. Two routes (rollout.weight_sync_route):
+  rank0      every stage's tensors through global rank 0, which pushes them (gather_hf_weights_on_rank0);
+  per_stage  each stage's sender pushes its own layers, all stages at once (trainer/stage_sync.py).
+Every rank must take part (TP gathers, PP sends), so a failure (an SGLang engine died mid-push) is
+held until the stream is drained and then told to every rank: all ranks export again and push again
+(the engine pool restarts or drops the dead engine first), up to `attempts` times; then
+RolloutFailure on every rank.
 """
 from __future__ import annotations
 
@@ -13,14 +16,18 @@ import logging
 import torch.distributed as dist
 
 from megatron_grpo.convert.export import gather_hf_weights_on_rank0
+from megatron_grpo.convert.stage_export import stage_hf_weights
 from megatron_grpo.errors import MegatronGRPOError, Rank0Failure, RolloutFailure
 from megatron_grpo.launch.distributed import broadcast_from_rank0
+from megatron_grpo.trainer.stage_sync import StageSync, all_gather
 
 log = logging.getLogger(__name__)
 
 
 def sync_weights(run, version: int, attempts: int = 2) -> dict[str, float]:
     """Pushes the policy as weight version `version`; returns the engine's sync metrics (rank 0)."""
+    if run.stage_sync is not None:
+        return _sync_per_stage(run, run.stage_sync, version, attempts)
     error = None
     for attempt in range(attempts):
         tensors = gather_hf_weights_on_rank0(run.policy, run.model_config, dtype=None)
@@ -48,6 +55,90 @@ def sync_weights(run, version: int, attempts: int = 2) -> dict[str, float]:
         if dist.get_rank() == 0 and attempt + 1 < attempts:
             log.warning("weight sync of version %d failed (%s); pushing again", version, error)
     raise RolloutFailure(f"weight sync of version {version} failed {attempts} times: {error}")
+
+
+class _StageFailure(MegatronGRPOError):
+    """A step of a per-stage sync failed (message: where and why); the sync is tried again."""
+
+
+def _sync_per_stage(run, stage_sync: StageSync, version: int, attempts: int) -> dict[str, float]:
+    """The per-stage protocol of trainer/stage_sync.py, retried as the rank-0 route is."""
+    error = None
+    for attempt in range(attempts):
+        try:
+            metrics = _one_stage_sync(run, stage_sync, version)
+        except _StageFailure as exc:
+            error = str(exc)
+            if dist.get_rank() == 0 and attempt + 1 < attempts:
+                log.warning("weight sync of version %d failed (%s); pushing again", version, error)
+            continue
+        if attempt:
+            metrics["sync/retries"] = float(attempt)
+        return metrics
+    raise RolloutFailure(f"weight sync of version {version} failed {attempts} times: {error}")
+
+
+def _on_rank0_agreed(fn, *args):
+    """fn(*args) on rank 0; its result (or its project error, as _StageFailure) on every rank."""
+    result, error, fatal = None, None, False
+    if dist.get_rank() == 0:
+        try:
+            result = fn(*args)
+        except MegatronGRPOError as exc:
+            error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - not the engine's known failure: every rank stops
+            error, fatal = f"{type(exc).__name__}: {exc}", True
+            unexpected = exc
+    result, error, fatal = broadcast_from_rank0((result, error, fatal))
+    if fatal:
+        if dist.get_rank() == 0:
+            raise unexpected
+        raise Rank0Failure(f"weight sync failed on rank 0: {error}")
+    if error is not None:
+        raise _StageFailure(error)
+    return result
+
+
+def _one_stage_sync(run, stage_sync: StageSync, version: int) -> dict[str, float]:
+    engine = run.engine if dist.get_rank() == 0 else None
+    role, sink = stage_sync.role, stage_sync.sink
+    targets = _on_rank0_agreed(lambda: engine.prepare_stage_update(version))
+    rebuild_error = None
+    if targets is not None and sink is not None:  # an engine was restarted or dropped: new groups
+        try:
+            sink.set_targets(targets)
+        except MegatronGRPOError as exc:
+            rebuild_error = f"stage {role.stage}: {exc}"
+    rebuild_errors = [e for e in all_gather(rebuild_error) if e]
+    if rebuild_errors:
+        raise _StageFailure(rebuild_errors[0])
+    sample = _on_rank0_agreed(lambda: engine.begin_stage_update(version))  # a weight sample to fill, or None
+
+    stream = stage_hf_weights(run.policy, run.model_config, role=role)
+    outcome, unexpected = None, None
+    if sink is not None:
+        try:
+            stats = sink.push(sample.tap(stream) if sample is not None else stream, version)
+            outcome = (role.stage, stats, sample.tensors if sample is not None else None)
+        except MegatronGRPOError as exc:
+            outcome = f"stage {role.stage}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - every rank stops (below)
+            unexpected, outcome = exc, f"stage {role.stage} (rank {dist.get_rank()}): {type(exc).__name__}: {exc}"
+    for _ in stream:  # the export holds TP collectives: drained on every rank that exports
+        pass
+    gathered = all_gather((outcome, unexpected is not None))
+    fatal = [o for o, bad in gathered if bad]
+    if unexpected is not None:
+        raise unexpected
+    if fatal:
+        raise Rank0Failure(f"weight sync of version {version} failed: {fatal[0]}")
+    failures = [o for o, _ in gathered if isinstance(o, str)]
+    results = [o for o, _ in gathered if isinstance(o, tuple)]
+    if failures:
+        _on_rank0_agreed(lambda: engine.abort_stage_update(version))
+        raise _StageFailure(failures[0])
+    _on_rank0_agreed(lambda: engine.end_stage_update(version, results))
+    return engine.sync_metrics() if engine is not None else {}
 
 
 def ensure_engine_holds_the_start(run) -> None:
