@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from megatron_grpo.rewards.runner import RewardRunner
     from megatron_grpo.rollout.engine import RolloutEngine
     from megatron_grpo.trainer.resume_plan import Candidate
+    from megatron_grpo.trainer.stage_sync import StageSync
     from megatron_grpo.trainer.update_guard import NonFiniteUpdateGuard
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class Run:
     record: dict                              # what defines the run (run_folder.run_record)
     resume_plan: list[Candidate] = field(default_factory=list)  # checked checkpoints, best first
     rank0: Rank0Parts | None = None           # global rank 0 only
+    stage_sync: StageSync | None = None       # per-stage weight sync (trainer/stage_sync.py), or rank 0's route
 
     @property
     def is_main(self) -> bool:
@@ -148,6 +150,7 @@ def build_run(cfg: Config) -> Run:
     from megatron_grpo.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
     from megatron_grpo.trainer.prompt_data import load_prompts
     from megatron_grpo.trainer.run_folder import run_record
+    from megatron_grpo.trainer.stage_sync import connect_stage_sync
     from megatron_grpo.trainer.update_guard import NonFiniteUpdateGuard
 
     init_distributed()
@@ -201,7 +204,7 @@ def build_run(cfg: Config) -> Run:
                # Skips updates whose gradient norm is NaN / Inf; stops after max_consecutive_nan_steps in a row.
                optimizer=NonFiniteUpdateGuard(optimizer, limit=cfg.trainer.max_consecutive_nan_steps),
                scheduler=scheduler, reference=reference, tokenizer=tokenizer, total_steps=total_steps,
-               record=record, resume_plan=resume_plan, rank0=rank0)
+               record=record, resume_plan=resume_plan, rank0=rank0, stage_sync=connect_stage_sync(cfg, rank0))
 
 
 def check_run_folder(cfg: Config) -> list[Candidate]:
