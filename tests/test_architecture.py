@@ -7,7 +7,6 @@ import re
 import subprocess
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "megatron_grpo"
@@ -156,9 +155,6 @@ def test_third_party_code_is_patched_only_where_the_doc_says():
 VERSION_SPECIFIC = ("megatron.core.models.gpt.gpt_layer_specs", "megatron.core.dist_checkpointing.strategies")
 
 
-@pytest.mark.xfail(strict=True, reason="models/spec.py still calls megatron's layer-spec functions itself; "
-                                       "when it calls mcore_compat.local_layer_spec / transformer_engine_layer_spec, "
-                                       "remove this marker")
 def test_version_specific_megatron_modules_only_in_mcore_compat():
     users = sorted(str(rel) for rel, _, tree in _modules() if rel != Path("launch/mcore_compat.py")
                    and any(name.startswith(VERSION_SPECIFIC) for name in _imported(tree)))

@@ -1,4 +1,4 @@
-"""Rollout routing replay (models/routing_replay.py, models/hf_moe.py, rollout/local.py).
+"""Rollout routing replay (models/routing_replay.py, rollout/routed_experts.py, convert/fused_experts.py, rollout/local.py).
 
 The local engine samples from the tiny Qwen3-MoE and records, per position and layer, the experts
 it routed to. The trainer (megatron, the same weights) recomputes the response log-probs with the
@@ -43,7 +43,7 @@ def _engine_samples(path):
 def test_local_engine_records_the_routes_of_every_fed_position(moe_path):
     """Routes of prompt + response[:-1]: equal to the HF model's own routing of the full sequence
     in one forward (the KV-cache decode routes the same tokens the same way)."""
-    from megatron_grpo.models.hf_moe import RoutedExpertsRecorder
+    from megatron_grpo.rollout.routed_experts import RoutedExpertsRecorder
 
     engine, samples = _engine_samples(moe_path)
     recorder = RoutedExpertsRecorder(engine.model)
@@ -64,7 +64,7 @@ def test_fused_expert_weights_load_into_the_engine(moe_path):
     """The exporter's per-expert names reach transformers 5's fused expert parameters."""
     from safetensors.torch import load_file
 
-    from megatron_grpo.models.hf_moe import ExpertStreamError
+    from megatron_grpo.convert.fused_experts import ExpertStreamError
     from megatron_grpo.rollout.local import LocalEngine
 
     tensors = load_file(f"{moe_path}/model.safetensors")

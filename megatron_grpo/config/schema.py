@@ -49,6 +49,10 @@ class ParallelConfig:
     context: int = 1
     sequence_parallel: bool = False  # needs tensor > 1
     use_distributed_optimizer: bool = True  # verl's megatron default
+    # MoE models: ranks each layer's experts are spread over (EP, carved out of TP x DP x CP), and
+    # the tensor parallelism inside an expert (ETP; null = parallel.tensor). world = PP x EP x ETP x expert-DP.
+    expert: int = 1
+    expert_tensor: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -235,6 +239,9 @@ class ActorConfig:
     entropy_coeff: float = 0.0
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     tis_cap: Optional[float] = None  # truncated importance sampling vs rollout log-probs; None = off
+    # MoE rollout routing replay (R3): the trainer's forward uses the experts the engine routed each
+    # token to (gate weights from the trainer's router; models/routing_replay.py). verl: router_replay.mode=R3
+    moe_routing_replay: bool = False
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     grad_clip: Optional[float] = 1.0  # None = no clipping
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -95,6 +95,13 @@ def _parallel(c: Config, out: list[str]) -> None:
             out.append(f"parallel.virtual_pipeline={p.virtual_pipeline} must be >= 1 or null")
         elif p.pipeline < 2:
             out.append("parallel.virtual_pipeline needs parallel.pipeline >= 2")
+    if p.expert < 1:
+        out.append(f"parallel.expert={p.expert} must be >= 1")
+    if p.expert_tensor is not None and p.expert_tensor < 1:
+        out.append(f"parallel.expert_tensor={p.expert_tensor} must be >= 1 or null (= parallel.tensor)")
+    if (c.actor.moe_routing_replay and c.model.recompute_granularity == "full" and p.pipeline > 1):
+        out.append("actor.moe_routing_replay=true with model.recompute_granularity=full and parallel.pipeline > 1: "
+                   "a recomputed layer would replay a later micro-batch's routes; use selective or none")
     if p.sequence_parallel and p.tensor < 2:
         out.append("parallel.sequence_parallel=true needs parallel.tensor >= 2")
 
@@ -149,9 +156,9 @@ def _asynchronous(c: Config, out: list[str]) -> None:
         if r.engine == "local" and (in_process or (r.local.process is None and r.max_staleness == 0)):
             out.append("rollout.weight_sync_route=per_stage needs the local engine in its own process "
                        "(rollout.local.process=true): in the trainer's process only rank 0 can reach it")
-        if r.engine == "sglang" and r.sglang.weight_sync != "distributed":
-            out.append(f"rollout.weight_sync_route=per_stage streams to SGLang over weight_sync=distributed "
-                       f"(got {r.sglang.weight_sync})")
+        if r.engine == "sglang":
+            out.append("rollout.weight_sync_route=per_stage is built for the local engine only: SGLang engines "
+                       "take the weights through global rank 0 (use rank0 or auto)")
 
 
 def _sglang(c: Config, out: list[str]) -> None:
@@ -241,17 +248,20 @@ def _actor(c: Config, out: list[str]) -> None:
 
 
 def _off_policy(c: Config, out: list[str]) -> None:
-    from dataclasses import asdict
-
-    from megatron_grpo.algo.off_policy import OffPolicyConfig
-
+    # The same rules as algo/off_policy.OffPolicyConfig (config may not import torch-side algo;
+    # tests/test_config.py ties the two); the Literal fields were checked by the schema already.
     o = c.actor.off_policy
-    try:
-        algo = OffPolicyConfig(**asdict(o))
-    except ConfigError as exc:
-        out.append(f"actor.{exc}")
-        return
-    if algo.is_level is not None and c.actor.tis_cap is not None:
+    weighted = o.is_level is not None or o.rs_level is not None
+    if o.objective == "behaviour" and weighted:
+        out.append("actor.off_policy.objective=behaviour clips against the engine's log-probs, so there is no "
+                   "proximal/behaviour ratio to weight by: leave is_level and rs_level null")
+    if not o.is_cap > 0:
+        out.append(f"actor.off_policy.is_cap must be > 0, got {o.is_cap}")
+    if not o.rs_high > 0:
+        out.append(f"actor.off_policy.rs_high must be > 0, got {o.rs_high}")
+    elif o.rs_low is not None and not 0 <= o.rs_low <= o.rs_high:
+        out.append(f"actor.off_policy.rs_low must be in [0, rs_high={o.rs_high}], got {o.rs_low}")
+    if o.is_level is not None and c.actor.tis_cap is not None:
         out.append("actor.tis_cap and actor.off_policy.is_level are both set: actor.tis_cap is token-level "
                    "truncated IS (actor.off_policy.is_level=token, is_cap); set one")
     if c.parallel.context > 1 and (o.is_level == "sequence" or o.rs_level in ("sequence", "geometric")):
@@ -340,6 +350,11 @@ def _world(c: Config, world_size: int, out: list[str]) -> None:
     if world_size < 1 or world_size % model_parallel:
         out.append(f"world size {world_size} is not divisible by parallel.tensor x pipeline x context = "
                    f"{p.tensor} x {p.pipeline} x {p.context}")
+        return
+    expert_ranks = p.expert * (p.expert_tensor or p.tensor) * p.pipeline
+    if world_size % expert_ranks:
+        out.append(f"world size {world_size} is not divisible by parallel.expert x expert_tensor x pipeline = "
+                   f"{p.expert} x {p.expert_tensor or p.tensor} x {p.pipeline}")
         return
     dp = world_size // model_parallel
     per_step = c.actor.ppo_mini_batch_size * c.rollout.n  # sequences per mini-batch

@@ -176,7 +176,9 @@ def _layout_for(dist, tp: int, pp: int, ep: int = 1, etp: int | None = None):
     if world % expert_ranks:
         raise CheckpointError(f"world size {world} is not a multiple of --ep {ep} x --etp {tp if etp is None else etp} "
                               f"x --pp {pp}")
-    return ParallelLayout(tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp)
+    # Conversion runs no forward, and sequence parallelism changes no weight or checkpoint key; it is
+    # on at TP > 1 because megatron-core's MoE layer refuses TP without it (models/builder.py).
+    return ParallelLayout(tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp, sequence_parallel=tp > 1)
 
 
 def hf_to_megatron(args) -> Path:

@@ -14,11 +14,12 @@ from typing import Any, Sequence
 
 import torch
 
+from megatron_grpo.convert.fused_experts import fuse_expert_tensors
 from megatron_grpo.rollout.engine import NamedTensors, RolloutEngine
 from megatron_grpo.rollout.sampling import make_state, sample_tokens
 from megatron_grpo.rollout.types import (EngineHealth, GenerationRequest, Sample, SamplingParams,
                                          derive_sample_seed)
-from megatron_grpo.models.hf_moe import RoutedExpertsRecorder, fuse_expert_tensors, sparse_blocks
+from megatron_grpo.rollout.routed_experts import RoutedExpertsRecorder, sparse_blocks
 from megatron_grpo.rollout.weights import HFWeightLoader, WeightLoadReport
 
 # Compact the batch once this fraction of its rows has finished: the copy of the KV cache costs

@@ -64,10 +64,9 @@ def stage_route(cfg: Config) -> str:
     route = cfg.rollout.weight_sync_route
     if route != "auto":
         return route
+    # SGLang engines take the weights through rank 0 for now: its engine has no per-stage endpoint.
     r = cfg.rollout
-    takes_stages = (r.engine == "local" and engine_in_own_process(cfg)) or \
-        (r.engine == "sglang" and r.sglang.weight_sync == "distributed")
-    return "per_stage" if takes_stages else "rank0"
+    return "per_stage" if r.engine == "local" and engine_in_own_process(cfg) else "rank0"
 
 
 def connect_stage_sync(cfg: Config, rank0) -> StageSync | None:
