@@ -70,6 +70,9 @@ class Settings:
     iterations: int = 5        # K timed iterations
     threads: int = 1           # torch threads, both sides (1 = robust to shared, loaded CPUs)
     seed: int = 1
+    # ours only: rollout.max_staleness (> 0: the local engine generates the next batches in its own
+    # process, on rollout.local.threads=1 more thread, while the trainer trains)
+    max_staleness: int = 0
 
 
 @dataclass
@@ -106,6 +109,14 @@ def peak_rss_bytes() -> int:
 
     scale = 1 if sys.platform == "darwin" else 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def children_peak_rss_bytes() -> int:
+    """The largest finished child's peak RSS (ours async: the engine process, closed by then)."""
+    import resource
+
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale
 
 
 # ----- the shared starting point ---------------------------------------------------------------
@@ -145,7 +156,7 @@ def our_overrides(settings: Settings, model_dir: Path, output_dir: Path) -> list
             f"data.max_response_length={settings.response_length}",
             f"actor.ppo_mini_batch_size={settings.mini_prompts}", f"actor.optim.lr={settings.lr}",
             f"actor.optim.weight_decay={settings.weight_decay}", "actor.grad_clip=1.0", "actor.use_kl_loss=false",
-            "trainer.device=cpu", "model.dtype=float32"]
+            "trainer.device=cpu", "model.dtype=float32", f"rollout.max_staleness={settings.max_staleness}"]
 
 
 def run_ours(settings: Settings, model_dir: Path, work: Path, profile: Path | None = None) -> Result:
@@ -153,11 +164,16 @@ def run_ours(settings: Settings, model_dir: Path, work: Path, profile: Path | No
 
     torch.set_num_threads(settings.threads)
     from megatron_grpo.config import load_config
-    from megatron_grpo.trainer.loop import grpo_step
+    from megatron_grpo.trainer.loop import grpo_step, rollout_settings
+    from megatron_grpo.trainer.rollout_pipeline import RolloutPipeline
     from megatron_grpo.trainer.setup import build_run
 
     cfg = load_config("tiny_cpu", our_overrides(settings, model_dir, work / "ours"))
     run = build_run(cfg)
+    pipeline = None  # as trainer/loop.py's train() builds it
+    if settings.max_staleness > 0:
+        pipeline = RolloutPipeline(run, rollout_settings(cfg), start_step=0,
+                                   max_staleness=settings.max_staleness).start()
     result = Result("ours")
     phases: dict[str, list[float]] = {}
     profiler = None
@@ -170,7 +186,7 @@ def run_ours(settings: Settings, model_dir: Path, work: Path, profile: Path | No
                 profiler = cProfile.Profile()
                 profiler.enable()
             start = time.perf_counter()
-            metrics = grpo_step(run, step)
+            metrics = grpo_step(run, step) if pipeline is None else grpo_step(run, step, pipeline)
             seconds = time.perf_counter() - start
             if not measured:
                 continue
@@ -183,6 +199,8 @@ def run_ours(settings: Settings, model_dir: Path, work: Path, profile: Path | No
             profiler.disable()
             profiler.dump_stats(str(profile))
     finally:
+        if pipeline is not None:
+            pipeline.close()
         run.close()
     # time/rollout includes time/reward (collect_rollout_batch); report generation alone.
     result.phases = {k: statistics.mean(v) for k, v in phases.items()}
@@ -350,6 +368,9 @@ def table(ours: list[Result], trl: list[Result], settings: Settings, trl_note: s
              f"steps/iteration (mini-batch {settings.mini_prompts} prompts), AdamW lr {settings.lr}, fp32, "
              f"{settings.threads} torch threads, {settings.warmup} warm-up + {settings.iterations} measured "
              f"iterations, medians of {len(ours)} run(s); {os.cpu_count()} CPUs visible.")
+    if settings.max_staleness:
+        text += (f" Ours asynchronous (rollout.max_staleness={settings.max_staleness}): the engine generates in a "
+                 "process of its own on one more thread while the trainer trains; its peak RSS is added to ours.")
     if trl_note:
         text += f"\n\n{trl_note}"
     return text
@@ -378,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=Settings.warmup)
     parser.add_argument("--iterations", type=int, default=Settings.iterations)
     parser.add_argument("--threads", type=int, default=Settings.threads)
+    parser.add_argument("--max-staleness", type=int, default=Settings.max_staleness,
+                        help="ours: rollout.max_staleness (async GRPO; the engine gets its own process and thread)")
     parser.add_argument("--repeats", type=int, default=1, help="alternate ours/TRL this many times; medians")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1+2 iterations: a smoke run")
     parser.add_argument("--trl-python", help="interpreter with trl; 'none' = ours only")
@@ -397,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(**json.loads(args.settings))
         fn = run_ours if args.worker == "ours" else run_trl
         result = fn(settings, args.model_dir, args.work, args.profile_out)
-        result.peak_rss = peak_rss_bytes()
+        result.peak_rss = peak_rss_bytes() + children_peak_rss_bytes()
         args.result.write_text(json.dumps(asdict(result)))
         return 0
     if args.setup_trl:
@@ -406,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = Settings(shape=args.shape, prompts=args.prompts, n=args.n, mini_prompts=args.mini_prompts,
                         response_length=args.response_length, warmup=args.warmup, iterations=args.iterations,
-                        threads=args.threads)
+                        threads=args.threads, max_staleness=args.max_staleness)
     if args.quick:
         settings = replace(settings, shape="tiny", prompts=4, n=4, mini_prompts=2, response_length=8,
                            warmup=1, iterations=2)
