@@ -384,6 +384,48 @@ def test_world_size_checks():
         "8 sequences per data-parallel rank per mini-batch are not divisible by actor.ppo_micro_batch_size_per_gpu=3")
 
 
+MOE = ["model.override_config.model_type=qwen3_moe", "model.override_config.num_experts=8"]
+
+
+def test_moe_keys_need_a_moe_model(tmp_path):
+    validate(valid(*MOE, "parallel.expert=2", "actor.moe_routing_replay=true",
+                   "actor.max_tokens_per_micro_batch=null", "actor.ppo_micro_batch_size_per_gpu=4"), world_size=2)
+    assert error_of(validate, valid("model.override_config.model_type=qwen3", "parallel.expert=2",
+                                    "parallel.pipeline=2")) == (
+        "parallel.expert=2: model_type 'qwen3' has no experts (expert parallelism needs a mixture-of-experts "
+        "model); set parallel.expert=1")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": 8,
+                                                      "num_hidden_layers": 4}))
+    assert error_of(validate, valid(f"model.path={tmp_path}", "model.override_config={}",
+                                    "actor.moe_routing_replay=true")) == (
+        "actor.moe_routing_replay=true: model_type 'llama' has no experts (routing replay needs a "
+        "mixture-of-experts model); set it to false")
+
+
+def test_dense_model_types_are_the_architectures_without_experts():
+    from megatron_grpo.config.validate import DENSE_MODEL_TYPES
+    from megatron_grpo.models.architectures import ARCHITECTURES
+
+    assert set(DENSE_MODEL_TYPES) == {name for name, spec in ARCHITECTURES.items() if not spec.moe}
+
+
+def test_expert_parallel_without_pipeline_needs_fixed_size_micro_batches():
+    """Every rank of an EP group joins each forward's all-to-all: token budgets are refused at EP > 1, PP = 1."""
+    assert error_of(validate, valid(*MOE, "parallel.expert=2", "actor.logprob_max_tokens_per_micro_batch=2048")) == (
+        "parallel.expert=2 with parallel.pipeline=1 needs the same number of micro-batches on every rank: set "
+        "actor.max_tokens_per_micro_batch, actor.logprob_max_tokens_per_micro_batch to null and use "
+        "actor.ppo_micro_batch_size_per_gpu")
+    validate(valid(*MOE, "parallel.expert=2", "parallel.pipeline=2"))  # the planner equalises counts under PP
+
+
+def test_expert_world_size_checks():
+    config = valid(*MOE, "parallel.expert=4", "parallel.tensor=2", "parallel.expert_tensor=1",
+                   "actor.max_tokens_per_micro_batch=null", "actor.ppo_micro_batch_size_per_gpu=4")
+    validate(config, world_size=4)  # EP 4 x ETP 1 carved out of TP 2 x DP 2
+    assert error_of(validate, config, world_size=6) == (
+        "world size 6 is not divisible by parallel.expert x expert_tensor x pipeline = 4 x 1 x 1")
+
+
 def test_all_problems_in_one_message():
     message = error_of(validate, valid("rollout.n=1", "actor.clip_ratio_c=0.5"))
     assert message.startswith("2 config problems: algorithm.adv_estimator=grpo needs rollout.n >= 2")

@@ -120,3 +120,37 @@ def test_replay_removes_the_routing_part_of_the_gap(moe_path):
     assert gaps["same"] < 1e-5 and gaps["same_replay"] < 1e-5  # fp32 numerics only
     assert gaps["perturbed"] > 10 * gaps["perturbed_replay"]
     assert gaps["perturbed_replay"] > 10 * gaps["same"]  # the gate weights still come from the perturbed router
+
+
+def _rollout(path, *, record: bool, replay: bool):
+    from megatron_grpo.algo import AdvantageConfig
+    from megatron_grpo.data.prompts import EncodedPrompt
+    from megatron_grpo.data.records import PromptRecord
+    from megatron_grpo.rewards.runner import RewardRunner
+    from megatron_grpo.rollout.local import LocalEngine
+    from megatron_grpo.rollout.types import SamplingParams
+    from megatron_grpo.trainer.rollout_phase import RolloutSettings, collect_rollout_batch
+
+    engine = LocalEngine.from_pretrained(path, eos_token_ids=[], seed=0, record_routed_experts=record)
+    record_ = PromptRecord(data_source="test", prompt=[{"role": "user", "content": "123"}], ground_truth="321")
+    prompts = [EncodedPrompt(record=record_, text="123", input_ids=[5, 6, 7], truncated=False)]
+    rewards = RewardRunner("synthetic", num_workers=0, timeout_s=None)
+    settings = RolloutSettings(n=2, sampling=SamplingParams(n=2, max_new_tokens=4, seed=1), adv_estimator="grpo",
+                               advantage_config=AdvantageConfig(), routing_replay=replay)
+    try:
+        return collect_rollout_batch(engine, lambda: prompts, engine.tokenizer, rewards, settings, step=1,
+                                     num_prompts=1, in_trainer_thread=False).samples
+    finally:
+        rewards.close()
+
+
+def test_routes_reach_the_train_samples_only_with_replay(moe_path):
+    from megatron_grpo.errors import MegatronGRPOError
+
+    replayed = _rollout(moe_path, record=True, replay=True)
+    for sample in replayed:
+        assert tuple(sample.routed_experts.shape) == (3 + 4 - 1, 4, 2)
+    assert all(s.routed_experts is None for s in _rollout(moe_path, record=True, replay=False))
+    with pytest.raises(MegatronGRPOError, match="actor.moe_routing_replay=true but the rollout engine reported no "
+                                                "routed experts"):
+        _rollout(moe_path, record=False, replay=True)

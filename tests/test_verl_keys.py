@@ -176,6 +176,12 @@ def test_every_key_with_a_meaning_here_translates():
      {"logging.experiment_name": "12", "parallel.sequence_parallel": False}),  # SP only with TP > 1, as verl
     (["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ck/global_step_10"],
      {"checkpoint.resume": "/ck/global_step_10"}),
+    (["actor_rollout_ref.actor.megatron.expert_model_parallel_size=8",
+      "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+      "actor_rollout_ref.actor.megatron.router_replay.mode=R3"],
+     {"parallel.expert": 8, "parallel.expert_tensor": 1, "actor.moe_routing_replay": True}),
+    (["actor_rollout_ref.actor.megatron.router_replay.mode=disabled"], {"actor.moe_routing_replay": False}),
+    (["+actor_rollout_ref.actor.router_replay.mode=R3"], {"actor.moe_routing_replay": True}),
 ])
 def test_translations(args, expected):
     values = translate(parse_command_line(args)).values

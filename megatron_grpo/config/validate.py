@@ -5,9 +5,10 @@ that need the data-parallel size are skipped; the trainer calls it again with th
 """
 from __future__ import annotations
 
+import json
 from typing import Optional
 
-from megatron_grpo.config.model_dims import model_dims
+from megatron_grpo.config.model_dims import hf_config_file, model_dims
 from megatron_grpo.config.names import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, REWARD_FUNCTIONS, check_name, unknown_name
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError
@@ -99,11 +100,44 @@ def _parallel(c: Config, out: list[str]) -> None:
         out.append(f"parallel.expert={p.expert} must be >= 1")
     if p.expert_tensor is not None and p.expert_tensor < 1:
         out.append(f"parallel.expert_tensor={p.expert_tensor} must be >= 1 or null (= parallel.tensor)")
+    dense = _dense_model_type(c.model)
+    if dense is not None and p.expert > 1:
+        out.append(f"parallel.expert={p.expert}: model_type {dense!r} has no experts (expert parallelism needs a "
+                   f"mixture-of-experts model); set parallel.expert=1")
+    if dense is not None and c.actor.moe_routing_replay:
+        out.append(f"actor.moe_routing_replay=true: model_type {dense!r} has no experts (routing replay needs a "
+                   f"mixture-of-experts model); set it to false")
+    budgets = {"actor.max_tokens_per_micro_batch": c.actor.max_tokens_per_micro_batch,
+               "actor.logprob_max_tokens_per_micro_batch": c.actor.logprob_max_tokens_per_micro_batch,
+               "ref.max_tokens_per_micro_batch": c.ref.max_tokens_per_micro_batch}
+    budgeted = [key for key, value in budgets.items() if value is not None]
+    if p.expert > 1 and p.pipeline == 1 and budgeted:
+        # every rank of an EP group joins each forward's all-to-all; a token budget can give the
+        # DP ranks different micro-batch counts (the planner equalises them only under PP)
+        out.append(f"parallel.expert={p.expert} with parallel.pipeline=1 needs the same number of micro-batches "
+                   f"on every rank: set {', '.join(budgeted)} to null and use actor.ppo_micro_batch_size_per_gpu")
     if (c.actor.moe_routing_replay and c.model.recompute_granularity == "full" and p.pipeline > 1):
         out.append("actor.moe_routing_replay=true with model.recompute_granularity=full and parallel.pipeline > 1: "
                    "a recomputed layer would replay a later micro-batch's routes; use selective or none")
     if p.sequence_parallel and p.tensor < 2:
         out.append("parallel.sequence_parallel=true needs parallel.tensor >= 2")
+
+
+# models/architectures.py's dense model types (tied by tests/test_config.py; config/ imports no models/).
+DENSE_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+def _dense_model_type(m) -> Optional[str]:
+    """The model_type when it is known here (model.override_config or a local config.json) and dense."""
+    model_type = m.override_config.get("model_type")
+    if model_type is None:
+        file = hf_config_file(m)
+        if file is not None:
+            try:
+                model_type = json.loads(file.read_text(encoding="utf-8")).get("model_type")
+            except (OSError, ValueError, AttributeError):
+                return None  # model_dims reports an unreadable config.json
+    return model_type if model_type in DENSE_MODEL_TYPES else None
 
 
 def _data(c: Config, out: list[str]) -> None:

@@ -135,6 +135,16 @@ def _filter_overlong(value: Any, given: Mapping[str, Any], key: str) -> Translat
     return Translation({"data.truncation": "filter"} if _truthy(value) else {})
 
 
+def _router_replay(value: Any, given: Mapping[str, Any], key: str) -> Translation:
+    mode = str(value).upper() if value is not None else "DISABLED"
+    if mode == "R3":
+        return Translation({"actor.moe_routing_replay": True})
+    if mode == "R2":
+        return Translation({"actor.moe_routing_replay": False}, "router_replay.mode=R2 (routes recorded in the "
+                           "trainer's own old-log-prob pass) is not supported: R3 replays the rollout engine's routes")
+    return Translation({"actor.moe_routing_replay": False})
+
+
 def _rollout_engine(value: Any, given: Mapping[str, Any], key: str) -> Translation:
     if value == "hf":
         return Translation({"rollout.engine": "local"})
@@ -356,7 +366,7 @@ _MTP = "multi-token prediction / speculative decoding is not supported"
 _QAT = "quantization-aware training / quantized rollout is not supported"
 _DERIVED = "derived in verl from other keys (an interpolation); nothing to set"
 _SEED = "trainer.seed seeds everything (data order, sampling, init)"
-_MOE = "MoE expert parallelism is not supported"
+_MOE = "not configurable: parallel.expert / expert_tensor and actor.moe_routing_replay are the MoE keys"
 _CKPT_FORMAT = ("checkpoints are megatron dist-checkpoints written by the trainer; an HF folder or a `convert "
                 "hf-to-megatron` checkpoint goes into model.path")
 
@@ -488,6 +498,8 @@ TABLE: tuple[VerlKey, ...] = (
     none(f"{ACTOR}.megatron.override_transformer_config.*", "not supported: the layer spec is megatron_grpo.models'"),
     none(f"{ACTOR}.megatron.override_mcore_model_config", "not supported"),
     none(f"{ACTOR}.megatron.override_ddp_config", "not supported"),
+    same(f"{ACTOR}.megatron.expert_model_parallel_size", "parallel.expert"),
+    same(f"{ACTOR}.megatron.expert_tensor_parallel_size", "parallel.expert_tensor", "null = parallel.tensor, as verl"),
     none(f"{ACTOR}.megatron.expert_*", _MOE),
     none(f"{ACTOR}.megatron.param_offload", "parameter offload is not supported for the actor (ref.param_offload is)"),
     none(f"{ACTOR}.megatron.optimizer_offload", "optimizer offload is not supported"),
@@ -507,6 +519,9 @@ TABLE: tuple[VerlKey, ...] = (
     none(f"{ACTOR}.megatron.forward_only", "verl engine internals"),
     none(f"{ACTOR}.megatron.entropy_*", "the entropy is computed from the vocab-parallel logits, chunked"),
     none(f"{ACTOR}.megatron.qat.*", _QAT),
+    conv(f"{ACTOR}.megatron.router_replay.mode", ("actor.moe_routing_replay",),
+         "R3 = true (the engine's experts, the trainer's gate weights); disabled = false; R2 is not supported",
+         _router_replay),
     none(f"{ACTOR}.megatron.router_replay.*", _MOE),
     none(f"{ACTOR}.fsdp_config.*", _FSDP),
     none(f"{ACTOR}.ulysses_sequence_parallel_size", "Ulysses SP is FSDP's; the Megatron equivalent is context "
@@ -529,6 +544,8 @@ TABLE: tuple[VerlKey, ...] = (
     none(f"{ACTOR}.rollout_n", _DERIVED),
     none(f"{ACTOR}.qat.*", _QAT),
     none(f"{ACTOR}.profiler.*", _PROFILE),
+    conv(f"{ACTOR}.router_replay.mode", ("actor.moe_routing_replay",), "as actor.megatron.router_replay.mode",
+         _router_replay, added=True),  # verl 0.9.0
     none(f"{ACTOR}.router_replay.*", _MOE, added=True),  # verl 0.9.0
     # -- reference model ---------------------------------------------------------------------
     conv(f"{REF}.fsdp_config.param_offload", ("ref.param_offload",), "", _ref_offload),
@@ -567,7 +584,8 @@ TABLE: tuple[VerlKey, ...] = (
     none(f"{ROLLOUT}.ignore_eos", "not supported"),
     none(f"{ROLLOUT}.data_parallel_size", "SGLang engines: rollout.sglang.num_engines"),
     none(f"{ROLLOUT}.expert_parallel_size", _MOE), none(f"{ROLLOUT}.moe_*", _MOE),
-    none(f"{ROLLOUT}.enable_rollout_routing_replay", _MOE),
+    none(f"{ROLLOUT}.enable_rollout_routing_replay", "the engine reports its routes whenever "
+                                                      "actor.moe_routing_replay=true"),
     none(f"{ROLLOUT}.pipeline_model_parallel_size", _ENGINE_TUNING),
     none(f"{ROLLOUT}.over_sample_rate", "not supported"),
     none(f"{ROLLOUT}.quantization", _QAT), none(f"{ROLLOUT}.quantization_config_file", _QAT), none(f"{ROLLOUT}.qat", _QAT),

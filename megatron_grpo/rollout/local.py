@@ -63,10 +63,12 @@ class LocalEngine(RolloutEngine):
 
     `tokenizer` is only needed for stop strings. EOS ids come from `eos_token_ids`, else the
     model's generation config / config, else the tokenizer. `max_batch_rows` bounds the number
-    of sequences decoded together (memory); `seed` seeds the requests that carry none."""
+    of sequences decoded together (memory); `seed` seeds the requests that carry none.
+    With `record_routed_experts`, a MoE model's samples carry their routes (Sample.routed_experts)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, device: str | torch.device = "cpu",
-                 eos_token_ids: Sequence[int] | None = None, seed: int = 0, max_batch_rows: int = 256):
+                 eos_token_ids: Sequence[int] | None = None, seed: int = 0, max_batch_rows: int = 256,
+                 record_routed_experts: bool = True):
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
@@ -82,8 +84,10 @@ class LocalEngine(RolloutEngine):
         # transformers >= 5.x renamed past_key_values to cache; accept both generations.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in params
-        # MoE models: every sample carries the experts each position was routed to (routing replay)
-        self._recorder = RoutedExpertsRecorder(self.model) if sparse_blocks(self.model) else None
+        # MoE models: every sample carries the experts each position was routed to (routing replay;
+        # record_routed_experts=False when the trainer does not replay them: no hooks, no copies)
+        self._recorder = (RoutedExpertsRecorder(self.model) if record_routed_experts and sparse_blocks(self.model)
+                          else None)
 
     # ----- construction -----------------------------------------------------------------------
     @classmethod

@@ -33,6 +33,9 @@ class RolloutSettings:
     advantage_config: AdvantageConfig
     filter_groups: bool = False
     max_generation_rounds: int = 0  # 0 = no limit
+    # actor.moe_routing_replay: the samples' engine routes reach the trainer (models/routing_replay.py);
+    # off, none are carried and the trainer's routers pick their own top-k
+    routing_replay: bool = False
 
 
 @dataclass
@@ -110,9 +113,18 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
     metrics["advantage/max"] = float(advantages.max())
     metrics["advantage/min"] = float(advantages.min())
     train_samples = [TrainSample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
-                                 advantage=float(a), rollout_logprobs=list(s.logprobs))
+                                 advantage=float(a), rollout_logprobs=list(s.logprobs),
+                                 routed_experts=_routes(s) if settings.routing_replay else None)
                      for s, a in zip(kept_samples, advantages.tolist())]
     return RolloutBatch(samples=train_samples, metrics=metrics, versions=[s.weight_version for s in kept_samples])
+
+
+def _routes(sample: Sample) -> torch.Tensor:
+    if sample.routed_experts is None:
+        raise MegatronGRPOError(f"actor.moe_routing_replay=true but the rollout engine reported no routed experts for "
+                                f"sample {sample.group_id!r}/{sample.sample_index} (a MoE model served by an engine "
+                                f"that records its routes: the local engine, or SGLang with return_routed_experts)")
+    return torch.as_tensor(sample.routed_experts)
 
 
 def _seeded(sampling: SamplingParams, step: int, round_index: int, prompt_index: int) -> SamplingParams:

@@ -156,7 +156,8 @@ def build_run(cfg: Config) -> Run:
     init_distributed()
     layout = ParallelLayout(tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
                             virtual_pipeline=cfg.parallel.virtual_pipeline, context=cfg.parallel.context,
-                            sequence_parallel=cfg.parallel.sequence_parallel)
+                            sequence_parallel=cfg.parallel.sequence_parallel, expert=cfg.parallel.expert,
+                            expert_tensor=cfg.parallel.expert_tensor)
     initialize_model_parallel(layout, seed=cfg.trainer.seed)
     device, dtype = resolve_device(cfg)
     output_dir = Path(cfg.logging.output_dir)
@@ -168,6 +169,7 @@ def build_run(cfg: Config) -> Run:
     model_config = ModelConfig.from_hf(model_dir, tensor_parallel=layout.tensor,
                                        vocab_multiple=cfg.model.make_vocab_size_divisible_by)
     check_context_length(cfg, model_config, model_dir)
+    check_moe_keys(cfg, model_config)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_dir)
     prompts = rank0_only(load_prompts, cfg, tokenizer)  # data errors stop every rank before any model is built
     record = run_record(cfg, model_config)
@@ -205,6 +207,19 @@ def build_run(cfg: Config) -> Run:
                optimizer=NonFiniteUpdateGuard(optimizer, limit=cfg.trainer.max_consecutive_nan_steps),
                scheduler=scheduler, reference=reference, tokenizer=tokenizer, total_steps=total_steps,
                record=record, resume_plan=resume_plan, rank0=rank0, stage_sync=connect_stage_sync(cfg, rank0))
+
+
+def check_moe_keys(cfg: Config, model_config) -> None:
+    """The MoE keys need a model with experts (config validation catches it earlier when
+    model.override_config names the model type; a model folder is only read here)."""
+    if model_config.is_moe:
+        return
+    if cfg.parallel.expert > 1:
+        raise ConfigError(f"parallel.expert={cfg.parallel.expert}: model_type {model_config.architecture!r} has no "
+                          f"experts (expert parallelism needs a mixture-of-experts model); set parallel.expert=1")
+    if cfg.actor.moe_routing_replay:
+        raise ConfigError(f"actor.moe_routing_replay=true: model_type {model_config.architecture!r} has no experts "
+                          f"(routing replay needs a mixture-of-experts model); set it to false")
 
 
 def check_run_folder(cfg: Config) -> list[Candidate]:
