@@ -267,6 +267,7 @@ class LocalStageEndpoint:
     """What a stage sender opens (trainer/stage_sync.py): its own connection into the receiver."""
 
     endpoint: WeightEndpoint
+    push_in_turn = False  # each stage has its own shared-memory channel: all at once
 
     def open(self, role, bucket_bytes: int) -> SharedWeightSender:
         return SharedWeightSender(self.endpoint, stage=role.stage, num_stages=role.num_stages,

@@ -7,8 +7,11 @@ replica) and, on senders, a sink opened from the endpoint rank 0's engine descri
     local engine in its own process  SharedWeightSender into its shared-memory receiver
     SGLang (weight_sync=distributed) a DistributedTransport of the stage's own (group
                                      megatron-grpo-pp<stage>, a port of the sender's), joined by every
-                                     engine TP rank; SGLang runs the stages' updates of one engine one
-                                     after another (its tokenizer manager serializes control calls)
+                                     engine TP rank (rollout/sglang/stage_sync.py); SGLang runs the
+                                     stages' updates of one engine one after another (its tokenizer
+                                     manager queues them); with several engines the stages push in
+                                     turn (endpoint.push_in_turn), since two engines' queues may
+                                     order the stages differently and the broadcasts would deadlock
 One sync (trainer/weight_sync.py) is then: rank 0 prepares the engines (engine.prepare_stage_update:
 a restarted or dropped SGLang engine means new targets, and every sink rebuilds its group), rank 0
 opens the update (engine.begin_stage_update: SGLang pauses generation and opens ONE begin/end
@@ -42,6 +45,8 @@ class StageSink(Protocol):
 class StageEndpoint(Protocol):
     """Picklable: what a stage sender needs to open its sink (made by rank 0's engine)."""
 
+    push_in_turn: bool  # the stages must push one after another (several SGLang engines)
+
     def open(self, role: StageRole, bucket_bytes: int) -> StageSink: ...
 
 
@@ -49,6 +54,7 @@ class StageEndpoint(Protocol):
 class StageSync:
     role: StageRole
     sink: Optional[StageSink]  # senders only
+    in_turn: bool = False  # the endpoint's push_in_turn
 
     def close(self) -> None:
         if self.sink is not None:
@@ -64,9 +70,10 @@ def stage_route(cfg: Config) -> str:
     route = cfg.rollout.weight_sync_route
     if route != "auto":
         return route
-    # SGLang engines take the weights through rank 0 for now: its engine has no per-stage endpoint.
     r = cfg.rollout
-    return "per_stage" if r.engine == "local" and engine_in_own_process(cfg) else "rank0"
+    if r.engine == "sglang":  # the disk and tensor transports have one writer / one colocated rank
+        return "per_stage" if r.sglang.weight_sync == "distributed" else "rank0"
+    return "per_stage" if engine_in_own_process(cfg) else "rank0"
 
 
 def connect_stage_sync(cfg: Config, rank0) -> StageSync | None:
@@ -86,7 +93,7 @@ def connect_stage_sync(cfg: Config, rank0) -> StageSync | None:
         if sink is not None:
             sink.close()
         raise RolloutFailure(f"the per-stage weight senders could not reach the rollout engines: {errors[0]}")
-    return StageSync(role=role, sink=sink)
+    return StageSync(role=role, sink=sink, in_turn=bool(endpoint.push_in_turn))
 
 
 def all_gather(value: Any) -> list[Any]:

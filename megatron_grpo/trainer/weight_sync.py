@@ -111,21 +111,17 @@ def _one_stage_sync(run, stage_sync: StageSync, version: int) -> dict[str, float
             rebuild_error = f"stage {role.stage}: {exc}"
     rebuild_errors = [e for e in all_gather(rebuild_error) if e]
     if rebuild_errors:
+        _on_rank0_agreed(lambda: engine.abort_stage_update(version))  # the next attempt rebuilds again
         raise _StageFailure(rebuild_errors[0])
     sample = _on_rank0_agreed(lambda: engine.begin_stage_update(version))  # a weight sample to fill, or None
 
-    stream = stage_hf_weights(run.policy, run.model_config, role=role)
     outcome, unexpected = None, None
-    if sink is not None:
-        try:
-            stats = sink.push(sample.tap(stream) if sample is not None else stream, version)
-            outcome = (role.stage, stats, sample.tensors if sample is not None else None)
-        except MegatronGRPOError as exc:
-            outcome = f"stage {role.stage}: {exc}"
-        except Exception as exc:  # noqa: BLE001 - every rank stops (below)
-            unexpected, outcome = exc, f"stage {role.stage} (rank {dist.get_rank()}): {type(exc).__name__}: {exc}"
-    for _ in stream:  # the export holds TP collectives: drained on every rank that exports
-        pass
+    # All stages at once, or (stage_sync.in_turn: several SGLang engines) one after another.
+    for turn in range(role.num_stages) if stage_sync.in_turn else (None,):
+        if turn is None or turn == role.stage:
+            outcome, unexpected = _push_stage(run, role, sink, sample, version)
+        if turn is not None:
+            dist.barrier()
     gathered = all_gather((outcome, unexpected is not None))
     fatal = [o for o, bad in gathered if bad]
     if unexpected is not None:
@@ -139,6 +135,23 @@ def _one_stage_sync(run, stage_sync: StageSync, version: int) -> dict[str, float
         raise _StageFailure(failures[0])
     _on_rank0_agreed(lambda: engine.end_stage_update(version, results))
     return engine.sync_metrics() if engine is not None else {}
+
+
+def _push_stage(run, role, sink, sample, version: int):
+    """This rank's part of its stage's push: (outcome, unexpected error or None)."""
+    stream = stage_hf_weights(run.policy, run.model_config, role=role)
+    outcome, unexpected = None, None
+    if sink is not None:
+        try:
+            stats = sink.push(sample.tap(stream) if sample is not None else stream, version)
+            outcome = (role.stage, stats, sample.tensors if sample is not None else None)
+        except MegatronGRPOError as exc:
+            outcome = f"stage {role.stage}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - every rank stops (in _one_stage_sync)
+            unexpected, outcome = exc, f"stage {role.stage} (rank {dist.get_rank()}): {type(exc).__name__}: {exc}"
+    for _ in stream:  # the export holds TP collectives: drained on every rank that exports
+        pass
+    return outcome, unexpected
 
 
 def ensure_engine_holds_the_start(run) -> None:

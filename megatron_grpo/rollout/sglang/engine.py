@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
+import time
 from typing import Sequence
 
 from megatron_grpo.rollout.engine import NamedTensors, RolloutEngine
@@ -13,7 +15,9 @@ from megatron_grpo.rollout.sglang.http_json import RetryPolicy
 from megatron_grpo.rollout.sglang.pool import EnginePool, EngineSlot, HealthProber
 from megatron_grpo.rollout.sglang.protocol import parse_weight_version
 from megatron_grpo.rollout.sglang.verify import WeightSample, verify_engines
-from megatron_grpo.rollout.sglang.weight_sync import SyncStats, WeightTransport, update_weights
+from megatron_grpo.rollout.sglang.weight_sync import (DistributedTransport, SyncStats, WeightTransport,
+                                                      _continue_best_effort, _end_session_best_effort, flush_cache,
+                                                      update_weights)
 from megatron_grpo.rollout.types import EngineHealth, GenerationRequest, Sample
 
 log = logging.getLogger(__name__)
@@ -54,6 +58,8 @@ class SGLangEngine(RolloutEngine):
                                    enabled=lambda: not self._released).start()
         self.last_sync: SyncStats | None = None
         self.last_sync_metrics: dict[str, float] = {}
+        self._stage_targets = list(self.pool.alive_targets)  # per-stage sync: what the senders reach
+        self._stage_started = 0.0
 
     @property
     def weight_version(self) -> int:
@@ -104,6 +110,105 @@ class SGLangEngine(RolloutEngine):
 
     def sync_metrics(self) -> dict[str, float]:
         return dict(self.last_sync_metrics)
+
+    # ----- per-stage sync (trainer/stage_sync.py, rollout/sglang/stage_sync.py) ----------------
+    # One update: prepare (recover engines; new targets -> the senders rebuild their groups), begin
+    # (pause generation, ONE begin_weight_update session per engine), the senders push, end (end
+    # the sessions, flush, continue, verify) or abort. The health prober stays paused in between.
+    def stage_endpoint(self):
+        from megatron_grpo.rollout.sglang.stage_sync import SGLangStageEndpoint
+
+        if not isinstance(self.transport, DistributedTransport):
+            raise SGLangError("per-stage weight sync needs rollout.sglang.weight_sync=distributed (each stage's "
+                              f"sender broadcasts to the engines); this engine has {type(self.transport).__name__}")
+        t = self.transport
+        self._stage_targets = list(self.pool.alive_targets)
+        return SGLangStageEndpoint(
+            targets=tuple(self._stage_targets), rank0_host=socket.gethostname(), rank0_address=t.master_address,
+            backend=t.backend, timeout_s=t.timeout_s, api_key=self.client.api_key,
+            request_timeout_s=self.client.timeout_s, max_attempts=self.client.retry.max_attempts,
+            push_in_turn=len(self.pool.slots) > 1)
+
+    def prepare_stage_update(self, version: int):
+        """The engines the senders must now reach, or None when they are unchanged."""
+        self.prober.pause()
+        try:
+            restarted = self.pool.recover(probe=not self._released)
+            alive = self.pool.alive_targets
+            if "weights" in self._released:
+                self._resume(["weights"])
+        except BaseException:
+            self.prober.resume()
+            raise
+        if not (restarted or self._push_failed or alive != self._stage_targets):
+            return None
+        self._stage_targets, self._push_failed = list(alive), False
+        return list(alive)
+
+    def begin_stage_update(self, version: int) -> WeightSample | None:
+        """Pauses generation and opens the sessions; returns the weight sample the senders fill
+        (when verification is due)."""
+        urls = [t.url for t in self._stage_targets]
+        try:
+            self.client.call_all("/pause_generation", {"mode": "abort"}, urls=urls)
+            self.client.call_all("/begin_weight_update", {}, urls=urls)
+        except BaseException:
+            self._abort_stage_session(urls)
+            raise
+        self._stage_started = time.perf_counter()
+        verify = self._verification_due()
+        return WeightSample(tp_size=max(t.tp_size for t in self._stage_targets)) if verify else None
+
+    def end_stage_update(self, version: int, results: list) -> None:
+        """results: every sender's (stage, SyncStats, sampled tensors or None) of a successful push."""
+        urls, alive = [t.url for t in self._stage_targets], list(self._stage_targets)
+        try:
+            for url, answer in zip(urls, self.client.call_all("/end_weight_update", {}, urls=urls)):
+                if isinstance(answer, dict) and answer.get("success") is False:
+                    raise SGLangError(f"{url}/end_weight_update failed: {answer.get('message')}", url)
+            for url in urls:
+                flush_cache(self.client, url)
+        except BaseException:
+            self._push_failed = True
+            _continue_best_effort(self.client, urls)
+            self.prober.resume()
+            raise
+        try:
+            self.client.call_all("/continue_generation", {}, urls=urls)
+            self._version = int(version)
+            self._syncs += 1
+            if self._released:
+                self._resume(sorted(self._released))
+            stats = [s for _, s, _ in results]
+            self.last_sync = SyncStats(num_tensors=sum(s.num_tensors for s in stats),
+                                       num_bytes=sum(s.num_bytes for s in stats),
+                                       num_buckets=sum(s.num_buckets for s in stats),
+                                       seconds=time.perf_counter() - self._stage_started)
+            self.last_sync_metrics = {"sync/seconds": self.last_sync.seconds,
+                                      "sync/gb": self.last_sync.num_bytes / 1e9,
+                                      "sync/stages": float(len(results)),
+                                      "sync/engine_restarts": float(self.pool.restarts)}
+            samples = [tensors for _, _, tensors in results if tensors is not None]
+            if samples:
+                sample = WeightSample(tp_size=max(t.tp_size for t in alive))
+                for tensors in samples:
+                    sample.tensors.update(tensors)
+                self.last_sync_metrics.update(verify_engines(self.client, alive, sample).metrics())
+        finally:
+            self.prober.resume()
+
+    def abort_stage_update(self, version: int) -> None:
+        """A sender's push failed: its group is unusable (the next prepare rebuilds every group)."""
+        self._push_failed = True
+        self._abort_stage_session([t.url for t in self._stage_targets])
+
+    def _abort_stage_session(self, urls: list[str]) -> None:
+        self._push_failed = True
+        try:
+            _end_session_best_effort(self.client, urls)
+            _continue_best_effort(self.client, urls)
+        finally:
+            self.prober.resume()
 
     def _verification_due(self) -> bool:
         interval = self.options.verify_interval

@@ -116,6 +116,7 @@ class HealthProber:
         self.enabled = enabled
         self._stop = threading.Event()
         self._idle = threading.Lock()
+        self._held = False  # pause() holds _idle
         self._thread = threading.Thread(target=self._run, name="sglang-health", daemon=True)
 
     def start(self) -> "HealthProber":
@@ -125,6 +126,17 @@ class HealthProber:
 
     def paused(self):
         return self._idle
+
+    def pause(self) -> None:
+        """paused() across calls (a per-stage update spans several); idempotent."""
+        if not self._held:
+            self._idle.acquire()
+            self._held = True
+
+    def resume(self) -> None:
+        if self._held:
+            self._held = False
+            self._idle.release()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

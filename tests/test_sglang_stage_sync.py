@@ -1,0 +1,122 @@
+"""Weight sync per pipeline stage into SGLang's own server code (tests/sglang_harness): at PP=2 on
+2 gloo ranks each stage's sender pushes its own layers through its own weight-update group
+(megatron-grpo-pp<stage>) into one engine, inside ONE begin/end session; the engine then holds
+bitwise what the rank-0 route (gather_hf_weights_on_rank0) and the policy's HF files hold. A
+stage whose push the engine refuses fails the sync on every rank (no hang), and the engine keeps
+serving."""
+import pytest
+import torch
+
+from megatron_grpo.testing.distributed import run_distributed
+from tests.sglang_harness.fixtures import launch_servers, server_settings
+
+pytestmark = pytest.mark.slow  # starts an SGLang test server
+
+
+def _sync_into_sglang(rank, world_size, url, model_dir, break_stage):
+    import torch.distributed as dist
+
+    from megatron_grpo.convert.export import gather_hf_weights_on_rank0
+    from megatron_grpo.convert.loader import load_hf_weights
+    from megatron_grpo.convert.stage_export import StageRole
+    from megatron_grpo.errors import RolloutFailure
+    from megatron_grpo.launch import ParallelLayout, initialize_model_parallel
+    from megatron_grpo.models import ModelConfig, build_model
+    from megatron_grpo.rollout.sglang.client import SGLangClient
+    from megatron_grpo.rollout.sglang.engine import EngineOptions, SGLangEngine
+    from megatron_grpo.rollout.sglang.http_json import request_json
+    from megatron_grpo.rollout.sglang.weight_sync import DistributedTransport, EngineTarget
+    from megatron_grpo.testing.distributed import free_port
+    from megatron_grpo.trainer.stage_sync import StageSync, all_gather
+    from megatron_grpo.trainer.weight_sync import sync_weights
+    from tests.sglang_harness.fixtures import sglang_checksum
+
+    initialize_model_parallel(ParallelLayout(tensor=1, pipeline=2), seed=3)
+    cfg = ModelConfig.from_hf(model_dir, tensor_parallel=1, vocab_multiple=8)
+    chunks = build_model(cfg)
+    load_hf_weights(chunks, cfg, model_dir)
+
+    engine = None
+    if rank == 0:  # as trainer/sglang_setup.py builds it for weight_sync=distributed
+        client = SGLangClient([url])
+        transport = DistributedTransport(client, [EngineTarget(url)], "127.0.0.1", free_port(), backend="gloo",
+                                         bucket_bytes=2**16, timeout_s=60)
+        transport.connect()
+        engine = SGLangEngine(client, transport, options=EngineOptions(health_check_interval_s=0))
+    endpoint = all_gather(engine.stage_endpoint() if rank == 0 else None)[0]
+    role = StageRole.current()
+    sink = endpoint.open(role, bucket_bytes=2**16) if role.sends else None
+    if sink is not None and role.stage == break_stage:  # a tensor the engine cannot load: its loader refuses
+        push = sink.push
+        sink.push = lambda tensors, version: push(((n, t[:-1] if n.endswith("layers.1.input_layernorm.weight")
+                                                    else t) for n, t in tensors), version)
+    stage_sync = StageSync(role=role, sink=sink, in_turn=endpoint.push_in_turn)
+    run = type("Run", (), {"stage_sync": stage_sync, "engine": engine, "policy": chunks, "model_config": cfg})
+    failure, metrics = None, {}
+    try:
+        metrics = sync_weights(run, version=5)
+    except RolloutFailure as exc:
+        failure = str(exc)
+    roles = all_gather((dist.get_rank(), role))
+    reference = {n: sglang_checksum(t) for n, t in gather_hf_weights_on_rank0(chunks, cfg)}  # the rank-0 route
+    stage_sync.close()
+    if rank != 0:
+        return {"failure": failure}
+    checksums = request_json(url, "/weights_checker", {"action": "checksum"})["ranks"][0]["checksums"]
+    version = request_json(url, "/model_info", method="GET")["weight_version"]
+    serves = engine.health()
+    engine.close()
+    return {"failure": failure, "metrics": metrics, "roles": roles, "reference": reference, "checksums": checksums,
+            "version": version, "engine_version": engine.weight_version, "healthy": bool(serves),
+            "health": serves.detail}
+
+
+@pytest.fixture(scope="module")
+def policy_dirs(tmp_path_factory):
+    from tests.tiny_hf import save_tiny_model
+
+    root = tmp_path_factory.mktemp("stage_sync")
+    return save_tiny_model(root / "policy", seed=1, scale=3.0), save_tiny_model(root / "other", seed=2, scale=3.0)
+
+
+@pytest.fixture(scope="module")
+def server(policy_dirs, tmp_path_factory):
+    launcher = launch_servers(tmp_path_factory.mktemp("logs"), [server_settings(policy_dirs[1])])
+    yield launcher.servers[0].url
+    launcher.shutdown(grace_s=2)
+
+
+def _hf_checksums(model_dir):
+    from safetensors.torch import load_file
+
+    from tests.sglang_harness.fixtures import sglang_checksum
+
+    tensors = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return {name: sglang_checksum(tensor) for name, tensor in tensors.items()}
+
+
+def test_each_stage_pushes_its_layers_into_sglang(server, policy_dirs):
+    """The engine starts from other weights (seed 2): only the two stages' pushes make it the policy."""
+    result = run_distributed(_sync_into_sglang, world_size=2, timeout=300,
+                             args=(server, str(policy_dirs[0]), -1))[0]
+    assert result["failure"] is None
+    senders = sorted(role.stage for _, role in result["roles"] if role.sends)
+    assert senders == [0, 1]  # exactly one sender per stage
+    assert not result["metrics"].get("sync/retries") and result["metrics"]["sync/stages"] == 2
+    assert result["metrics"]["sync/verified"] == 1.0  # the first sync is verified (values and consistency)
+    reference, engine = result["reference"], result["checksums"]
+    assert reference == {n: c for n, c in _hf_checksums(policy_dirs[0]).items() if n in reference}
+    assert {n: engine.get(n) for n in reference} == reference  # bitwise, every tensor of both stages
+    assert result["version"] == "5"
+
+
+def test_a_failing_stage_push_fails_the_sync_on_every_rank(server, policy_dirs):
+    results = run_distributed(_sync_into_sglang, world_size=2, timeout=300,
+                              args=(server, str(policy_dirs[0]), 1))
+    failures = [r["failure"] for r in results]
+    assert all(f and "failed 2 times" in f and "stage 1" in f for f in failures), failures
+    # Not taken as a version (SGLang itself stamps each bucket it loaded: stage 0's were), and the
+    # session was closed and generation continued: the engine still serves.
+    assert results[0]["engine_version"] == 0 and results[0]["healthy"], results[0]["health"]
