@@ -26,9 +26,11 @@ def _run(*args: str, timeout: int = 540) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_bench_e2e_quick_ours(tmp_path):
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_bench_e2e_quick_ours(tmp_path, max_staleness):
     out = tmp_path / "e2e.json"
-    proc = _run(str(BENCH / "bench_e2e.py"), "--quick", "--trl-python", "none", "--json", str(out))
+    proc = _run(str(BENCH / "bench_e2e.py"), "--quick", "--trl-python", "none", "--json", str(out),
+                "--max-staleness", str(max_staleness))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| ours (megatron-grpo) |" in proc.stdout
     assert "TRL side skipped" in proc.stdout
@@ -111,3 +113,16 @@ def test_bench_gpu_targets_are_the_issues():
     assert bench_gpu.target_verdict("logprob_fwd_bwd_vs_copy", 0.69, raw) == (">= 70%", "not met")
     assert bench_gpu.target_verdict("logprob_memory_vs_dense", 0.2, raw) == ("<= 0.25x", "met")
     assert raw["targets"]["logprob_fwd_bwd_vs_copy"] == dict(value=0.69, target=">= 0.7", met=False)
+
+
+@pytest.mark.slow
+def test_bench_async_compares_sync_and_async_runs(tmp_path):
+    proc = _run(str(BENCH / "bench_async.py"), "--out", str(tmp_path), "--steps", "5", "--target", "0.0",
+                "--configs", "sync", "async K=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {r["name"]: r for r in json.loads((tmp_path / "results.json").read_text())}
+    assert set(results) == {"sync", "async K=1"}
+    for r in results.values():  # target 0: reached at the first full moving-average window
+        assert r["samples_to_target"] == 5 * 32 * 16 and r["tokens_per_s"] > 0 and r["peak_rss_mib"] > 50
+    assert results["sync"]["staleness_mean"] == 0 and 0 < results["async K=1"]["staleness_mean"] <= 1
+    assert "| async K=1 | 1 |" in proc.stdout and (tmp_path / "async_reward_curves.png").stat().st_size > 0
