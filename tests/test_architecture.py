@@ -23,12 +23,13 @@ ALLOWED = {
     "ops": {"errors"},
     "models": {"errors", "launch", "ops", "optional"},
     "rewards": {"errors", "data", "launch"},
+    "environments": {"errors", "data", "launch", "rewards"},
     "testing": {"errors", "launch"},
     "checkpointing": {"errors", "models"},
     "convert": {"errors", "checkpointing", "launch", "models", "optional"},
     "rollout": {"errors", "convert", "launch", "optional"},
     "trainer": {"errors", "optional", "config", "algo", "data", "launch", "ops", "models", "rewards",
-                "checkpointing", "convert", "rollout"},
+                "environments", "checkpointing", "convert", "rollout"},
     "cli": {"errors", "config"},
     "train": {"cli"},
 }
@@ -38,6 +39,7 @@ FORBIDDEN = {
     "algo": {"megatron"},
     "data": {"torch", "megatron"},
     "rewards": {"torch", "megatron"},
+    "environments": {"torch", "megatron"},
     "rollout": {"megatron"},
     "cli": {"torch", "megatron", "transformers"},
 }

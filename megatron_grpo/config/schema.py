@@ -125,6 +125,23 @@ class SGLangConfig:
 
 
 @dataclass(frozen=True)
+class MultiTurnConfig:
+    """Multi-turn, tool-calling rollouts (agentic): the policy talks to an environment, token in /
+    token out. Not in verl under these names (verl: actor_rollout_ref.rollout.multi_turn.*)."""
+
+    # The environment: a built-in name, `module:Class` or `path/to/file.py:Class`; None = single-turn.
+    environment: Optional[str] = None
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 4  # assistant turns per trajectory
+    max_new_tokens_per_turn: Optional[int] = None  # None = rollout.max_new_tokens
+    max_length: Optional[int] = None  # prompt + every turn, in tokens; None = max_prompt_length + max_response_length
+    step_timeout_s: float = 30.0  # one environment step (a tool call)
+    # How per-turn rewards become the trajectory's: sum, or discounted (sum of gamma^t r_t)
+    turn_reward: Literal["sum", "discounted"] = "sum"
+    discount: float = 1.0
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     engine: Literal["local", "sglang"] = "local"
     n: int = 1  # responses per prompt; verl's default, GRPO needs >= 2 (verl's GRPO examples use 5)
@@ -145,6 +162,7 @@ class RolloutConfig:
     weight_sync_route: Literal["auto", "per_stage", "rank0"] = "auto"
     local: LocalEngineConfig = field(default_factory=LocalEngineConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ NOT_YET_WIRED = (
     "algorithm.use_kl_in_reward", "algorithm.kl_penalty", "algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef",
     "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl", "algorithm.filter_groups.metric",
     "actor.shuffle", "reward.format_score", "checkpoint.async_save", "logging.log_interval",
-    "logging.wandb_entity", "logging.wandb_mode", "eval.val_batch_size",
+    "logging.wandb_entity", "logging.wandb_mode", "eval.val_batch_size", "rollout.multi_turn.environment",
 )
 
 
