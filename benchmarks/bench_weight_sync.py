@@ -10,7 +10,14 @@ Measured in one run, for the same HF-named tensors (a random Qwen3 of the given 
   HTTP app, tokenizer manager and scheduler-side weight-update code (receive, SafeUnpickler,
   load_weights), with the CPU scheduler of tests/sglang_harness (needs build/sglang-venv:
   `bash scripts/setup_sglang_venv.sh`). gloo broadcast, ForkingPickler shared memory, safetensors.
-Prints a markdown table; best of --repeats per row."""
+Prints a markdown table; best of --repeats per row.
+
+    python benchmarks/bench_weight_sync.py --stages [--world-size 4 --pp 1 2 4 ...]
+
+Per pipeline stage vs through rank 0 (trainer/weight_sync.py's two routes): the same model trained
+at PP=1, 2, 4 on --world-size gloo ranks (DP = world / PP), synced into the local engine in its own
+process (rollout/engine_process.py, shared memory): seconds of one sync_weights call (export +
+push + applied acknowledgement), best of --repeats."""
 from __future__ import annotations
 
 import argparse
@@ -51,6 +58,67 @@ def best_seconds(fn, repeats: int) -> float:
     return min(times)
 
 
+def _stage_sync_seconds(rank, world_size, pp, route, model_dir, repeats):
+    import torch.distributed as torch_dist
+
+    from megatron_grpo.convert.loader import load_hf_weights
+    from megatron_grpo.convert.stage_export import StageRole
+    from megatron_grpo.launch import ParallelLayout, initialize_model_parallel
+    from megatron_grpo.models import ModelConfig, build_model as build_megatron
+    from megatron_grpo.rollout.engine_process import EngineSpec, ProcessEngine
+    from megatron_grpo.trainer.stage_sync import StageSync, all_gather
+    from megatron_grpo.trainer.weight_sync import sync_weights
+
+    torch.set_num_threads(1)
+    initialize_model_parallel(ParallelLayout(pipeline=pp), seed=0)
+    cfg = ModelConfig.from_hf(model_dir, vocab_multiple=8)
+    chunks = build_megatron(cfg)
+    load_hf_weights(chunks, cfg, model_dir)
+    engine = ProcessEngine(EngineSpec(model_dir=model_dir, threads=1)) if rank == 0 else None
+    stage_sync = None
+    if route == "per_stage":
+        endpoint = all_gather(engine.stage_endpoint() if rank == 0 else None)[0]
+        role = StageRole.current()
+        stage_sync = StageSync(role=role, sink=endpoint.open(role, 64 * 2**20) if role.sends else None)
+    run = type("Run", (), {"stage_sync": stage_sync, "engine": engine, "policy": chunks, "model_config": cfg})
+    times = []
+    for version in range(1, repeats + 1):
+        torch_dist.barrier()
+        start = time.perf_counter()
+        sync_weights(run, version)
+        torch_dist.barrier()
+        times.append(time.perf_counter() - start)
+    if stage_sync is not None:
+        stage_sync.close()
+    if engine is not None:
+        engine.close()
+    return min(times)
+
+
+def stages_main(args) -> None:
+    from megatron_grpo.testing.distributed import run_distributed
+
+    model = build_model(args)
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        model.save_pretrained(model_dir)
+        char_tokenizer().save_pretrained(model_dir)
+        for pp in args.pp:
+            seconds = {route: run_distributed(_stage_sync_seconds, args.world_size, timeout=1200,
+                                              args=(pp, route, str(model_dir), args.repeats))[0]
+                       for route in ("rank0", "per_stage")}
+            rows.append((pp, seconds["rank0"], seconds["per_stage"]))
+    print(f"\nWeight sync into the local engine process, {nbytes / 1e6:.1f} MB fp32 (hidden {args.hidden}, "
+          f"{args.layers} layers, vocab {args.vocab}); {args.world_size} gloo ranks (DP = ranks / PP); best of "
+          f"{args.repeats}; 1 torch thread per rank\n")
+    print("| PP | rank0 route (s) | per_stage (s) | speed-up |")
+    print("|---:|---:|---:|---:|")
+    for pp, rank0, per_stage in rows:
+        print(f"| {pp} | {rank0:.3f} | {per_stage:.3f} | {rank0 / per_stage:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=512)
@@ -58,7 +126,12 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=16000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--stages", action="store_true", help="rank0 route vs per_stage at each --pp")
+    parser.add_argument("--pp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--world-size", type=int, default=4)
     args = parser.parse_args()
+    if args.stages:
+        return stages_main(args)
     torch.set_num_threads(1)
 
     model = build_model(args)
