@@ -183,7 +183,8 @@ def rollout_settings(cfg: Config) -> RolloutSettings:
     return RolloutSettings(n=r.n, sampling=sampling, adv_estimator=cfg.algorithm.adv_estimator,
                            advantage_config=AdvantageConfig(norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo),
                            filter_groups=cfg.algorithm.filter_groups.enable,
-                           max_generation_rounds=cfg.algorithm.filter_groups.max_num_gen_batches)
+                           max_generation_rounds=cfg.algorithm.filter_groups.max_num_gen_batches,
+                           routing_replay=cfg.actor.moe_routing_replay)
 
 
 def grpo_loss_config(cfg: Config) -> GRPOLossConfig:
