@@ -23,15 +23,15 @@ NOT_YET_WIRED = (
     "algorithm.use_kl_in_reward", "algorithm.kl_penalty", "algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef",
     "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl", "algorithm.filter_groups.metric",
     "actor.shuffle", "reward.format_score", "checkpoint.async_save", "logging.log_interval",
-    "logging.wandb_entity", "logging.wandb_mode", "eval.val_batch_size", "rollout.multi_turn.environment",
+    "logging.wandb_entity", "logging.wandb_mode", "eval.val_batch_size",
 )
 
 
 def validate(config: Config, world_size: Optional[int] = None) -> None:
     """Raises one ConfigError listing every cross-field problem; returns None if there is none."""
     problems: list[str] = []
-    for check in (_unwired, _model, _parallel, _data, _rollout, _algorithm, _actor, _reward, _checkpoint,
-                  _trainer, _eval):
+    for check in (_unwired, _model, _parallel, _data, _rollout, _multi_turn, _algorithm, _actor, _reward,
+                  _checkpoint, _trainer, _eval):
         check(config, problems)
     if world_size is not None:
         _world(config, world_size, problems)
@@ -317,6 +317,41 @@ def _optim(c: Config, out: list[str]) -> None:
         out.append(f"actor.optim.eps={o.eps} must be > 0")
     if o.lr_warmup_steps < 0:
         out.append(f"actor.optim.lr_warmup_steps={o.lr_warmup_steps} must be >= 0")
+
+
+def _multi_turn(c: Config, out: list[str]) -> None:
+    m = c.rollout.multi_turn
+    key = "rollout.multi_turn"
+    if m.environment is None:
+        if m.environment_kwargs:
+            out.append(f"{key}.environment_kwargs is set but {key}.environment is not")
+        return
+    spec = m.environment.strip()
+    target, sep, name = spec.rpartition(":")
+    if ":" in spec and (not sep or not target or not name):
+        out.append(f"{key}.environment={m.environment!r}: expected a built-in name, 'pkg.module:Class' or "
+                   "'path/to/file.py:Class'")
+    if m.max_turns < 1:
+        out.append(f"{key}.max_turns={m.max_turns} must be >= 1")
+    if m.max_new_tokens_per_turn is not None and m.max_new_tokens_per_turn < 1:
+        out.append(f"{key}.max_new_tokens_per_turn={m.max_new_tokens_per_turn} must be >= 1 or null")
+    max_length = m.max_length or c.data.max_prompt_length + c.data.max_response_length
+    if max_length <= c.data.max_prompt_length:
+        out.append(f"{key}.max_length={max_length} leaves no room for a turn after a "
+                   f"data.max_prompt_length={c.data.max_prompt_length} prompt")
+    if m.step_timeout_s <= 0:
+        out.append(f"{key}.step_timeout_s={m.step_timeout_s} must be > 0")
+    if not 0 < m.discount <= 1:
+        out.append(f"{key}.discount={m.discount} must be in (0, 1]")
+    if m.turn_reward == "sum" and m.discount != 1.0:
+        out.append(f"{key}.discount={m.discount} has no effect with turn_reward=sum; set turn_reward=discounted")
+    # not yet multi-turn: eval and routing replay run single-turn rollouts
+    if c.eval.interval != -1 or c.eval.before_train:
+        out.append(f"{key}.environment is set but eval runs single-turn rollouts: set eval.interval=-1 and "
+                   "eval.before_train=false")
+    if c.actor.moe_routing_replay:
+        out.append(f"{key}.environment with actor.moe_routing_replay=true is not supported (the routes of "
+                   "observation tokens are not recorded)")
 
 
 def _reward(c: Config, out: list[str]) -> None:

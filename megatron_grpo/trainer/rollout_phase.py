@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ from megatron_grpo.errors import MegatronGRPOError
 from megatron_grpo.launch.cpu import cuda_redirect_paused
 from megatron_grpo.rewards.runner import RewardRequest, RewardRunner
 from megatron_grpo.rollout.engine import RolloutEngine
-from megatron_grpo.rollout.types import GenerationRequest, Sample, SamplingParams
+from megatron_grpo.rollout.types import GenerationRequest, Sample, SamplingParams, derive_sample_seed
 from megatron_grpo.trainer.batching import TrainSample
 
 
@@ -36,6 +37,31 @@ class RolloutSettings:
     # actor.moe_routing_replay: the samples' engine routes reach the trainer (models/routing_replay.py);
     # off, none are carried and the trainer's routers pick their own top-k
     routing_replay: bool = False
+    # rollout.multi_turn (multi_turn_settings below): episodes against an environment; None = single-turn
+    multi_turn: "MultiTurnSettings | None" = None
+
+
+@dataclass(frozen=True)
+class MultiTurnSettings:
+    environment: str  # rollout.multi_turn.environment (a built-in name, module:Class or file.py:Class)
+    environment_kwargs: dict
+    limits: Any  # environments.episodes.EpisodeLimits (imported where a multi-turn round runs)
+    chat_template: str | None = None  # data.chat_template
+
+
+def multi_turn_settings(cfg) -> MultiTurnSettings | None:
+    """rollout.multi_turn as the rollout phase takes it; None when no environment is set."""
+    from megatron_grpo.environments.episodes import EpisodeLimits
+
+    mt = cfg.rollout.multi_turn
+    if mt.environment is None:
+        return None
+    per_turn = mt.max_new_tokens_per_turn or cfg.rollout.max_new_tokens or cfg.data.max_response_length
+    limits = EpisodeLimits(max_turns=mt.max_turns, max_new_tokens_per_turn=per_turn,
+                           max_length=mt.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length,
+                           step_timeout_s=mt.step_timeout_s, turn_reward=mt.turn_reward, discount=mt.discount)
+    return MultiTurnSettings(environment=mt.environment, environment_kwargs=dict(mt.environment_kwargs),
+                             limits=limits, chat_template=cfg.data.chat_template)
 
 
 @dataclass
@@ -52,6 +78,7 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
     thread (in_trainer_thread=False) megatron's CPU device mode is not active, so nothing is paused."""
     kept_samples: list[Sample] = []
     kept_scores: list[float] = []
+    kept_masks: list[list[bool] | None] = []  # multi-turn: which response ids the engine generated
     metrics: dict[str, float] = {}
     timings = {"time/rollout": 0.0, "time/reward": 0.0}
     rounds = 0
@@ -65,23 +92,17 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
                 f"non-zero reward variance after {settings.max_generation_rounds} generation rounds "
                 f"(algorithm.filter_groups.max_num_gen_batches); the task may be too easy or too hard")
         prompts: list[EncodedPrompt] = next_prompts()
-        start = time.perf_counter()
-        requests = [GenerationRequest(prompt_ids=p.input_ids, sampling=_seeded(settings.sampling, step, rounds, i),
-                                      group_id=f"{step}:{rounds}:{i}") for i, p in enumerate(prompts)]
-        # the local HF engine needs no megatron CPU shims
-        with cuda_redirect_paused() if in_trainer_thread else contextlib.nullcontext():
-            samples = engine.generate(requests)
-        timings["time/rollout"] += time.perf_counter() - start
-
-        start = time.perf_counter()
-        by_group = {f"{step}:{rounds}:{i}": p for i, p in enumerate(prompts)}
-        result = rewards.score([reward_request(s, by_group[s.group_id], tokenizer) for s in samples])
-        timings["time/reward"] += time.perf_counter() - start
-        scores = torch.tensor(result.scores, dtype=torch.float64)
+        if settings.multi_turn is not None:
+            samples, round_scores, masks, round_metrics = _multi_turn_round(
+                engine, prompts, tokenizer, settings, step, rounds, timings, in_trainer_thread)
+        else:
+            samples, round_scores, round_metrics = _single_turn_round(
+                engine, prompts, tokenizer, rewards, settings, step, rounds, timings, in_trainer_thread)
+            masks = [None] * len(samples)
+        scores = torch.tensor(round_scores, dtype=torch.float64)
         if first_round_stats is None:
             first_round_stats = _reward_stats(scores, [s.group_id for s in samples], settings.n)
-            metrics.update({k: v for k, v in result.metrics.items()})
-            metrics.update(_response_stats(samples, settings.sampling.max_new_tokens))
+            metrics.update(round_metrics)
         if settings.filter_groups:
             keep = filter_zero_variance_groups(scores, [s.group_id for s in samples]).keep.tolist()
         else:
@@ -90,13 +111,15 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
             stale = {s.group_id for s in samples if s.weight_version < min_weight_version}
             dropped_stale += sum(1 for s in samples if s.group_id in stale)
             keep = [k and s.group_id not in stale for k, s in zip(keep, samples)]
-        for sample, score, kept in zip(samples, result.scores, keep):
+        for sample, score, mask, kept in zip(samples, round_scores, masks, keep):
             if kept:
                 kept_samples.append(sample)
                 kept_scores.append(score)
+                kept_masks.append(mask)
     # Over-sampling may overshoot: keep whole groups up to the batch size.
     kept_samples = kept_samples[: num_prompts * settings.n]
     kept_scores = kept_scores[: num_prompts * settings.n]
+    kept_masks = kept_masks[: num_prompts * settings.n]
     scores = torch.tensor(kept_scores, dtype=torch.float64)
     group_ids = [s.group_id for s in kept_samples]
     advantages = compute_advantages(settings.adv_estimator, scores, group_ids, config=settings.advantage_config)
@@ -114,9 +137,90 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
     metrics["advantage/min"] = float(advantages.min())
     train_samples = [TrainSample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
                                  advantage=float(a), rollout_logprobs=list(s.logprobs),
-                                 routed_experts=_routes(s) if settings.routing_replay else None)
-                     for s, a in zip(kept_samples, advantages.tolist())]
+                                 routed_experts=_routes(s) if settings.routing_replay else None,
+                                 response_mask=mask)
+                     for s, a, mask in zip(kept_samples, advantages.tolist(), kept_masks)]
     return RolloutBatch(samples=train_samples, metrics=metrics, versions=[s.weight_version for s in kept_samples])
+
+
+def _single_turn_round(engine, prompts, tokenizer, rewards, settings, step, rounds, timings, in_trainer_thread):
+    """One generate call for the prompts, then the reward function: (samples, scores, metrics)."""
+    start = time.perf_counter()
+    requests = [GenerationRequest(prompt_ids=p.input_ids, sampling=_seeded(settings.sampling, step, rounds, i),
+                                  group_id=f"{step}:{rounds}:{i}") for i, p in enumerate(prompts)]
+    # the local HF engine needs no megatron CPU shims
+    with cuda_redirect_paused() if in_trainer_thread else contextlib.nullcontext():
+        samples = engine.generate(requests)
+    timings["time/rollout"] += time.perf_counter() - start
+
+    start = time.perf_counter()
+    by_group = {f"{step}:{rounds}:{i}": p for i, p in enumerate(prompts)}
+    result = rewards.score([reward_request(s, by_group[s.group_id], tokenizer) for s in samples])
+    timings["time/reward"] += time.perf_counter() - start
+    metrics = dict(result.metrics)
+    metrics.update(_response_stats(samples, settings.sampling.max_new_tokens))
+    return samples, list(result.scores), metrics
+
+
+def _multi_turn_round(engine, prompts, tokenizer, settings, step, rounds, timings, in_trainer_thread):
+    """n episodes per prompt against fresh environments (environments/episodes.py); the trajectory's
+    reward is its environment's per-turn rewards combined: (samples, scores, masks, metrics)."""
+    from megatron_grpo.environments.episodes import ChatRenderer, TurnOutput, run_episodes
+    from megatron_grpo.environments.loader import build_environment
+
+    mt, n = settings.multi_turn, settings.n
+    records = [p.record for p in prompts for _ in range(n)]
+    environments = [build_environment(mt.environment, mt.environment_kwargs) for _ in records]
+
+    def generate(turns):
+        requests = []
+        for turn in turns:
+            group, index = divmod(turn.episode, n)
+            seed = derive_sample_seed(_seeded(settings.sampling, step, rounds, group).seed, index)
+            sampling = dataclasses.replace(settings.sampling, n=1, max_new_tokens=turn.max_new_tokens,
+                                           seed=(seed + turn.turn * 1_000_033) % (2**63 - 1))
+            requests.append(GenerationRequest(prompt_ids=turn.ids, sampling=sampling,
+                                              group_id=f"{step}:{rounds}:{group}"))
+        with cuda_redirect_paused() if in_trainer_thread else contextlib.nullcontext():
+            samples = engine.generate(requests)
+        return [TurnOutput(s.response_ids, s.logprobs, s.finish_reason, s.weight_version,
+                           stopped_by_token=not isinstance(s.matched_stop, str)) for s in samples]
+
+    start = time.perf_counter()
+    trajectories = run_episodes(records, environments, ChatRenderer(tokenizer, mt.chat_template), mt.limits,
+                                generate, env_name=mt.environment)
+    timings["time/rollout"] += time.perf_counter() - start
+    samples = [Sample(group_id=f"{step}:{rounds}:{e // n}", sample_index=e % n, prompt_ids=t.prompt_ids,
+                      response_ids=t.response_ids, logprobs=t.logprobs,
+                      finish_reason="abort" if t.end == "abort" else
+                      "length" if t.end in ("turn_length", "max_length") else "stop",
+                      # a trajectory is as stale as its oldest turn
+                      weight_version=min(t.weight_versions, default=engine.weight_version))
+               for e, t in enumerate(trajectories)]
+    scores = [t.reward(mt.limits) for t in trajectories]
+    return samples, scores, [t.response_mask for t in trajectories], multi_turn_stats(trajectories)
+
+
+def multi_turn_stats(trajectories) -> dict[str, float]:
+    """Turns, lengths, how episodes ended and the environments' counters (summed) of one round."""
+    count = len(trajectories)
+    generated = [sum(t.response_mask) for t in trajectories]
+    metrics = {
+        "multi_turn/turns_mean": sum(t.turns for t in trajectories) / count,
+        "multi_turn/generated_tokens_mean": sum(generated) / count,
+        "response/length_mean": sum(len(t.response_ids) for t in trajectories) / count,
+        "response/length_max": float(max(len(t.response_ids) for t in trajectories)),
+        "response/truncation_ratio": sum(t.end in ("turn_length", "max_length") for t in trajectories) / count,
+    }
+    for end in MULTI_TURN_ENDS:
+        metrics[f"multi_turn/end_{end}_frac"] = sum(t.end == end for t in trajectories) / count
+    for t in trajectories:
+        for name, value in t.counters.items():
+            metrics[f"multi_turn/{name}"] = metrics.get(f"multi_turn/{name}", 0.0) + value
+    return metrics
+
+
+MULTI_TURN_ENDS = ("done", "max_turns", "turn_length", "max_length", "abort", "step_timeout")
 
 
 def _routes(sample: Sample) -> torch.Tensor:

@@ -1,0 +1,71 @@
+"""Resolve an environment class from rollout.multi_turn.environment: a built-in name,
+"pkg.module:Class" or "path/to/file.py:Class" (the same spec forms as reward functions)."""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+
+from megatron_grpo.environments.base import Environment
+from megatron_grpo.errors import ConfigError
+
+BUILTIN_ENVIRONMENTS: dict[str, str] = {
+    "lookup": "megatron_grpo.environments.lookup:LookupEnvironment",
+    "python_gsm8k": "megatron_grpo.environments.python_tool:PythonToolEnvironment",
+}
+KEY = "rollout.multi_turn.environment"
+
+
+def load_environment_class(spec: str) -> type[Environment]:
+    """The Environment subclass named by `spec`; one ConfigError naming the spec otherwise."""
+    canonical = BUILTIN_ENVIRONMENTS.get(spec.strip(), spec.strip())
+    target, sep, name = canonical.rpartition(":")
+    if not sep or not target or not name:
+        raise ConfigError(f"{KEY}={spec!r}: expected a built-in name ({', '.join(sorted(BUILTIN_ENVIRONMENTS))}), "
+                          "'pkg.module:Class' or 'path/to/file.py:Class'")
+    module = _load_file(spec, Path(target)) if target.endswith(".py") else _import(spec, target)
+    cls = getattr(module, name, None)
+    if not (inspect.isclass(cls) and issubclass(cls, Environment)):
+        raise ConfigError(f"{KEY}={spec!r}: {target} has no Environment subclass named {name!r} "
+                          "(subclass megatron_grpo.environments.Environment)")
+    return cls
+
+
+def build_environment(spec: str, kwargs: dict) -> Environment:
+    """One environment instance (one per trajectory); a constructor that rejects `kwargs` is a ConfigError."""
+    cls = load_environment_class(spec)
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"rollout.multi_turn.environment_kwargs {sorted(kwargs)} do not fit {cls.__name__}: "
+                          f"{exc}") from exc
+    return cls(**kwargs)
+
+
+def _import(spec: str, target: str):
+    try:
+        return importlib.import_module(target)
+    except ImportError as exc:
+        raise ConfigError(f"{KEY}={spec!r}: cannot import module {target!r}: {exc}") from exc
+
+
+def _load_file(spec: str, path: Path):
+    path = path.resolve()
+    if not path.is_file():
+        raise ConfigError(f"{KEY}={spec!r}: file {path} does not exist")
+    # a stable, path-derived module name: loading the same file twice gives the same module
+    name = "megatron_grpo_user_env_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ConfigError(f"{KEY}={spec!r}: {path} failed to import: {type(exc).__name__}: {exc}") from exc
+    return module
