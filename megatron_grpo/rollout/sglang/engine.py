@@ -199,7 +199,6 @@ class SGLangEngine(RolloutEngine):
 
     def abort_stage_update(self, version: int) -> None:
         """A sender's push failed: its group is unusable (the next prepare rebuilds every group)."""
-        self._push_failed = True
         self._abort_stage_session([t.url for t in self._stage_targets])
 
     def _abort_stage_session(self, urls: list[str]) -> None:
