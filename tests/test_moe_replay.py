@@ -49,7 +49,8 @@ def test_local_engine_records_the_routes_of_every_fed_position(moe_path):
     recorder = RoutedExpertsRecorder(engine.model)
     for sample in samples:
         sequence = sample.prompt_ids + sample.response_ids
-        routes = sample.routed_experts
+        assert isinstance(sample.routed_experts, np.ndarray)  # pickled by value to the trainer's process
+        routes = torch.from_numpy(sample.routed_experts)
         assert tuple(routes.shape) == (len(sequence) - 1, 4, 2) and routes.dtype == torch.int32
         assert (routes[:, 2] == -1).all() and (routes[:, [0, 1, 3]] >= 0).all()  # layer 2 is dense
         with torch.no_grad():
@@ -154,3 +155,28 @@ def test_routes_reach_the_train_samples_only_with_replay(moe_path):
     with pytest.raises(MegatronGRPOError, match="actor.moe_routing_replay=true but the rollout engine reported no "
                                                 "routed experts"):
         _rollout(moe_path, record=False, replay=True)
+
+
+@pytest.mark.parametrize("own_process", [False, True], ids=["in_process", "own_process"])
+def test_the_trainer_engine_records_routes_only_with_replay(moe_path, tmp_path, own_process):
+    """build_local_engine passes actor.moe_routing_replay to the engine, in the trainer's process
+    or (EngineSpec) in the engine's own: without replay no routes are recorded at all."""
+    from megatron_grpo.config import load_config
+    from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
+    from megatron_grpo.trainer.local_engine import build_local_engine
+
+    request = GenerationRequest(prompt_ids=(5, 6, 7), sampling=SamplingParams(n=1, max_new_tokens=3, seed=1),
+                                group_id="0")
+    for replay in (True, False):
+        cfg = load_config("tiny_cpu", [f"actor.moe_routing_replay={str(replay).lower()}",
+                                       f"rollout.local.process={str(own_process).lower()}",
+                                       f"logging.output_dir={tmp_path}"])
+        engine = build_local_engine(cfg, moe_path, torch.device("cpu"), torch.float32)
+        try:
+            (sample,) = engine.generate([request])
+        finally:
+            engine.close()
+        if replay:
+            assert sample.routed_experts is not None and sample.routed_experts.shape[1:] == (4, 2)
+        else:
+            assert sample.routed_experts is None

@@ -54,6 +54,7 @@ class EngineSpec:
     tokenizer_path: str | None = None
     threads: int = 1  # torch intra-op threads of the engine process
     log_path: str | None = None
+    record_routed_experts: bool = True  # a MoE model's routes in each sample (routing replay)
 
 
 @dataclass
@@ -286,7 +287,8 @@ class _EngineServer:
         self.conn = conn
         self.engine = LocalEngine.from_pretrained(spec.model_dir, device=spec.device, dtype=getattr(torch, spec.dtype),
                                                   seed=spec.seed, max_batch_rows=spec.max_batch_rows,
-                                                  tokenizer_path=spec.tokenizer_path)
+                                                  tokenizer_path=spec.tokenizer_path,
+                                                  record_routed_experts=spec.record_routed_experts)
         shapes = {name: tuple(param.shape) for name, param in self.engine.model.named_parameters(remove_duplicate=False)}
         self.receiver = WeightReceiver(shapes, authkey, missing=self.engine.parameters_missing_from)
         self.applied: int | None = None  # the receiver version now in the model

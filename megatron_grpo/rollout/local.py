@@ -144,10 +144,12 @@ class LocalEngine(RolloutEngine):
                     continue
                 self._decode(requests, chunk, seeds, epoch)
         version = self._version
+        # routes as numpy int32: a torch tensor would cross the engine process's pipe through torch's
+        # shared-memory reduction (fd passing), which the trainer's process cannot authenticate
         return [Sample(group_id=requests[r.request_index].group_id, sample_index=r.sample_index,
                        prompt_ids=list(requests[r.request_index].prompt_ids), response_ids=r.response,
                        logprobs=r.logprobs, finish_reason=r.finish, weight_version=version,
-                       matched_stop=r.matched, routed_experts=torch.cat(r.routed) if r.routed else None)
+                       matched_stop=r.matched, routed_experts=torch.cat(r.routed).numpy() if r.routed else None)
                 for r in rows]
 
     def abort(self) -> None:

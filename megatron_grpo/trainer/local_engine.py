@@ -19,20 +19,24 @@ def engine_in_own_process(cfg: Config) -> bool:
 
 
 def build_local_engine(cfg: Config, model_dir: Path, device: torch.device, dtype: torch.dtype) -> RolloutEngine:
-    """The local engine serves in the trainer's dtype (bf16 on a GPU), as SGLang would."""
+    """The local engine serves in the trainer's dtype (bf16 on a GPU), as SGLang would. It records a
+    MoE model's routes only when the trainer replays them (no hooks and no copies otherwise)."""
     rows = cfg.rollout.local.max_batch_size or 256
+    record_routes = cfg.actor.moe_routing_replay
     if not engine_in_own_process(cfg):
         from megatron_grpo.rollout.local import LocalEngine
 
         return LocalEngine.from_pretrained(model_dir, device=device, dtype=dtype, seed=cfg.trainer.seed,
-                                           max_batch_rows=rows, tokenizer_path=cfg.model.tokenizer_path)
+                                           max_batch_rows=rows, tokenizer_path=cfg.model.tokenizer_path,
+                                           record_routed_experts=record_routes)
     from megatron_grpo.rollout.engine_process import EngineSpec, ProcessEngine
 
     output_dir = Path(cfg.logging.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     spec = EngineSpec(model_dir=str(model_dir), device=str(device), dtype=str(dtype).removeprefix("torch."),
                       seed=cfg.trainer.seed, max_batch_rows=rows, tokenizer_path=cfg.model.tokenizer_path,
-                      threads=cfg.rollout.local.threads, log_path=str(output_dir / "local_engine.log"))
+                      threads=cfg.rollout.local.threads, log_path=str(output_dir / "local_engine.log"),
+                      record_routed_experts=record_routes)
     return ProcessEngine(spec, bucket_bytes=cfg.rollout.weight_bucket_mb * 2**20)
 
 
