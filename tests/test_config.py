@@ -409,13 +409,11 @@ def test_dense_model_types_are_the_architectures_without_experts():
     assert set(DENSE_MODEL_TYPES) == {name for name, spec in ARCHITECTURES.items() if not spec.moe}
 
 
-def test_expert_parallel_without_pipeline_needs_fixed_size_micro_batches():
-    """Every rank of an EP group joins each forward's all-to-all: token budgets are refused at EP > 1, PP = 1."""
-    assert error_of(validate, valid(*MOE, "parallel.expert=2", "actor.logprob_max_tokens_per_micro_batch=2048")) == (
-        "parallel.expert=2 with parallel.pipeline=1 needs the same number of micro-batches on every rank: set "
-        "actor.max_tokens_per_micro_batch, actor.logprob_max_tokens_per_micro_batch to null and use "
-        "actor.ppo_micro_batch_size_per_gpu")
-    validate(valid(*MOE, "parallel.expert=2", "parallel.pipeline=2"))  # the planner equalises counts under PP
+def test_expert_parallel_takes_token_budgets_at_any_pipeline_size():
+    """The planner equalises micro-batch counts over DP ranks at EP > 1 (tests/test_packing.py)."""
+    for pipeline in (1, 2):
+        validate(valid(*MOE, "parallel.expert=2", f"parallel.pipeline={pipeline}",
+                       "actor.logprob_max_tokens_per_micro_batch=2048"))
 
 
 def test_expert_world_size_checks():

@@ -116,6 +116,20 @@ def test_plan_gives_every_pipeline_the_same_micro_batch_count_and_one_shape():
     assert covered == list(range(len(samples)))
 
 
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_plan_gives_every_expert_parallel_rank_the_same_micro_batch_count(packing):
+    """EP > 1 at PP = 1: every rank of an EP group joins each forward's all-to-all, so the DP ranks
+    run as many micro-batches as the one that needs most (each of its own shape)."""
+    samples = _of_lengths([60, 60, 10, 55, 95, 60, 60, 55, 60, 55])
+    batching = MicroBatching(packing=packing, max_tokens=100 if packing else 180, mini_batch_size=len(samples))
+    unequal = _plan_all_ranks(samples, batching, dp_size=2)
+    assert len({len(p[0]) for p in unequal}) == 2  # the case the rule is for
+    plans = _plan_all_ranks(samples, batching, dp_size=2, ep_size=2)
+    assert [len(p[0]) for p in plans] == [max(len(p[0]) for p in unequal)] * 2
+    assert sorted(i for p in plans for mb in p[0] for i in mb.sample_indices) == list(range(len(samples)))
+    assert all(mb.processed_tokens <= batching.max_tokens for p in plans for mb in p[0])
+
+
 def test_plan_pads_only_to_kernel_multiples():
     samples = _samples(40, seed=3)
     batching = MicroBatching(max_tokens=128, mini_batch_size=20)

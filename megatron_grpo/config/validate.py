@@ -107,15 +107,6 @@ def _parallel(c: Config, out: list[str]) -> None:
     if dense is not None and c.actor.moe_routing_replay:
         out.append(f"actor.moe_routing_replay=true: model_type {dense!r} has no experts (routing replay needs a "
                    f"mixture-of-experts model); set it to false")
-    budgets = {"actor.max_tokens_per_micro_batch": c.actor.max_tokens_per_micro_batch,
-               "actor.logprob_max_tokens_per_micro_batch": c.actor.logprob_max_tokens_per_micro_batch,
-               "ref.max_tokens_per_micro_batch": c.ref.max_tokens_per_micro_batch}
-    budgeted = [key for key, value in budgets.items() if value is not None]
-    if p.expert > 1 and p.pipeline == 1 and budgeted:
-        # every rank of an EP group joins each forward's all-to-all; a token budget can give the
-        # DP ranks different micro-batch counts (the planner equalises them only under PP)
-        out.append(f"parallel.expert={p.expert} with parallel.pipeline=1 needs the same number of micro-batches "
-                   f"on every rank: set {', '.join(budgeted)} to null and use actor.ppo_micro_batch_size_per_gpu")
     if (c.actor.moe_routing_replay and c.model.recompute_granularity == "full" and p.pipeline > 1):
         out.append("actor.moe_routing_replay=true with model.recompute_granularity=full and parallel.pipeline > 1: "
                    "a recomputed layer would replay a later micro-batch's routes; use selective or none")

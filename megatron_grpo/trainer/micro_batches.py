@@ -13,6 +13,8 @@ Planning (verl's use_dynamic_bsz / ppo_max_token_len_per_gpu, for packed micro-b
      (batching.pack_into_micro_batches: equal costs), or fixed `micro_batch_size` sequences;
   3. with pipeline parallelism every DP rank runs the same number of micro-batches (the largest
      any rank needs), all of one shape within the mini-batch (p2p buffers have a fixed shape);
+     with expert parallelism too (every rank of an EP group, which spans DP ranks, joins each
+     forward's token all-to-all: unequal counts would hang), but of their own shapes;
   4. padding is added only where a kernel needs a multiple: 2*CP chunks per sequence under context
      parallelism, a total divisible by TP (x CP) under sequence parallelism, the common pipeline
      shape; `padding_metrics` counts it.
@@ -46,6 +48,7 @@ class ParallelShape:
     cp_rank: int = 0
     cp_size: int = 1
     pp_size: int = 1
+    ep_size: int = 1
 
     @classmethod
     def current(cls, sequence_parallel: bool) -> "ParallelShape":
@@ -54,7 +57,8 @@ class ParallelShape:
         return cls(dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
                    tp_size=ps.get_tensor_model_parallel_world_size(), sequence_parallel=sequence_parallel,
                    cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
-                   pp_size=ps.get_pipeline_model_parallel_world_size())
+                   pp_size=ps.get_pipeline_model_parallel_world_size(),
+                   ep_size=ps.get_expert_model_parallel_world_size())
 
     @property
     def sequence_multiple(self) -> int:
@@ -148,7 +152,7 @@ def plan(samples: list[TrainSample], batching: MicroBatching, shape: ParallelSha
         if any(not share for share in shares):
             raise ValueError(f"mini-batch of {len(mini)} sequences leaves a data-parallel rank of "
                              f"{shape.dp_size} empty")
-        if shape.pp_size > 1:  # the same number of micro-batches on every DP rank
+        if shape.pp_size > 1 or shape.ep_size > 1:  # the same number of micro-batches on every DP rank
             count = max(len(_group(samples, share, costs, batching, shape)) for share in shares)
         else:
             count = 1
