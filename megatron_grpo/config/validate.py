@@ -181,9 +181,10 @@ def _asynchronous(c: Config, out: list[str]) -> None:
         if r.engine == "local" and (in_process or (r.local.process is None and r.max_staleness == 0)):
             out.append("rollout.weight_sync_route=per_stage needs the local engine in its own process "
                        "(rollout.local.process=true): in the trainer's process only rank 0 can reach it")
-        if r.engine == "sglang":
-            out.append("rollout.weight_sync_route=per_stage is built for the local engine only: SGLang engines "
-                       "take the weights through global rank 0 (use rank0 or auto)")
+        if r.engine == "sglang" and r.sglang.weight_sync != "distributed":
+            out.append(f"rollout.weight_sync_route=per_stage with rollout.sglang.weight_sync={r.sglang.weight_sync}: "
+                       "each stage's sender broadcasts to the engines only with weight_sync=distributed "
+                       "(use rank0 or auto)")
 
 
 def _sglang(c: Config, out: list[str]) -> None:
