@@ -158,7 +158,7 @@ class RolloutConfig:
     max_staleness: int = 0
     # Who sends the weights: per_stage = each pipeline stage's first tensor-parallel rank streams its
     # own layers to the engines (local engine in its own process, SGLang distributed); rank0 = every
-    # stage through global rank 0; auto = per_stage where the engine takes it.
+    # stage through global rank 0; auto = per_stage where the engine takes it (SGLang: at PP > 1).
     weight_sync_route: Literal["auto", "per_stage", "rank0"] = "auto"
     local: LocalEngineConfig = field(default_factory=LocalEngineConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)

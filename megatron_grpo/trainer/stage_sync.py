@@ -72,7 +72,10 @@ def stage_route(cfg: Config) -> str:
         return route
     r = cfg.rollout
     if r.engine == "sglang":  # the disk and tensor transports have one writer / one colocated rank
-        return "per_stage" if r.sglang.weight_sync == "distributed" else "rank0"
+        # Without pipeline stages the one sender is rank 0 either way: keep the rank-0 route, whose
+        # engine-fault recovery (restarts, dropped URLs mid-sync) the fault tests exercise most.
+        distributed = r.sglang.weight_sync == "distributed"
+        return "per_stage" if distributed and cfg.parallel.pipeline > 1 else "rank0"
     return "per_stage" if engine_in_own_process(cfg) else "rank0"
 
 
