@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_grpo.algo import GlobalBatchInfo, GRPOLossConfig, compute_grpo_loss, staleness_gap_sums
 from megatron_grpo.algo.off_policy import SAFETY_BOUND
+from megatron_grpo.models.moe_metrics import RouterStats
 from megatron_grpo.ops.vocab_parallel import vocab_parallel_logprobs_and_entropy
 from megatron_grpo.trainer.batching import MicroBatch, TrainSample
 
@@ -194,9 +195,11 @@ def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch]
                                                   sample_staleness, with_mean=not off_policy.weighted))
         return output.loss, {k: v.detach().float().cpu() for k, v in metrics.items()}
 
-    outputs = _run_schedule(model_chunks, micro_batches, loss_func, forward_only=False, device=device)
+    with RouterStats(model_chunks) as router_stats:  # MoE models: moe/* (expert load, router entropy, ...)
+        outputs = _run_schedule(model_chunks, micro_batches, loss_func, forward_only=False, device=device)
     update_ok, grad_norm, _ = optimizer.step()
     metrics = _gap_means(_reduce_metrics(outputs if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else []))
+    metrics.update(router_stats.metrics())
     metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["actor/update_skipped"] = 0.0 if update_ok else 1.0
     return metrics
