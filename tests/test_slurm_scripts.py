@@ -18,6 +18,7 @@ GPU_SCRIPTS = {  # script -> (recipe, nodes)
     "grpo_qwen3_8b.sh": ("qwen3_8b_gsm8k", 1),
     "grpo_qwen3_32b.sh": ("qwen3_32b_math", 4),
     "grpo_llama3_70b.sh": ("llama3_70b_gsm8k", 8),
+    "grpo_qwen3_30b_a3b.sh": ("qwen3_30b_a3b_gsm8k", 4),
 }
 SHELL_FILES = sorted([*REPO.glob("slurm/*.sh"), *REPO.glob("slurm/lib/*.sh"),
                       REPO / "scripts/start_local_slurm.sh", REPO / "scripts/stop_local_slurm.sh",
@@ -154,6 +155,32 @@ def test_dry_run_llama3_70b_dedicated() -> None:
     assert r"--nodelist=node1\,node2\,node3\,node4" in trainer_launch
     assert "--overlap" not in trainer_launch
     assert "model.path=/models/llama3-70b" in trainers[0]["cmd"]
+
+
+def test_dry_run_qwen3_30b_a3b_expert_parallel() -> None:
+    """The MoE recipe: 16 trainer ranks on nodes 1-2 (TP 2 x DP 8; EP 8 groups of 8 consecutive
+    ranks, one node each), 8 engines of tp_size 2 on nodes 3-4 behind the router."""
+    from megatron_grpo.config import load_config, validate
+
+    result = dry_run("grpo_qwen3_30b_a3b.sh", HF_MODEL="/models/qwen3-30b-a3b")
+    assert result.returncode == 0, result.stderr
+    plan = parse_plan(result.stdout)
+    trainers = plan["trainer"]
+    assert [(t["node"], t["ranks"], t["tasks"]) for t in trainers] == [("node1", "0-7", "8"), ("node2", "8-15", "8")]
+    engines = plan["engine"]
+    assert [e["node"] for e in engines] == ["node3"] * 4 + ["node4"] * 4
+    assert [e["gpus"] for e in engines] == ["0,1", "2,3", "4,5", "6,7"] * 2
+    assert all("--model-path /models/qwen3-30b-a3b --tp-size 2" in e["cmd"] for e in engines)
+    [router] = plan["router"]
+    assert router["node"] == "node1" and router["cmd"].endswith(" ".join(e["url"] for e in engines))
+    assert "model.path=/models/qwen3-30b-a3b" in trainers[0]["cmd"]
+    config = load_config(REPO / "recipes" / "qwen3_30b_a3b_gsm8k.yaml")
+    validate(config, world_size=16)
+    p = config.parallel
+    assert (p.tensor, p.expert, p.expert_tensor, p.sequence_parallel) == (2, 8, 1, True)
+    assert 16 // (p.expert * p.expert_tensor) == 2  # expert-data-parallel ranks: the Adam states' shards
+    result = dry_run("grpo_qwen3_30b_a3b.sh", "parallel.expert=3")
+    assert result.returncode != 0 and "parallel.expert x expert_tensor x pipeline = 3 x 1 x 1" in result.stderr
 
 
 def test_dry_run_explains_impossible_layouts() -> None:
