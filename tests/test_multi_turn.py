@@ -192,10 +192,17 @@ def test_turn_and_trajectory_limits(tokenizer):
     assert t.end == "max_length" and t.response_mask == [True, True] and t.turn_rewards == [0.3]
 
 
-def test_environment_timeouts_and_failures(tokenizer):
+def test_environment_timeouts_and_failures(tokenizer, monkeypatch):
     limits = dataclasses.replace(LIMITS, step_timeout_s=0.2)
     t, env, _ = _one(tokenizer, [("1", "stop")], [([], 1.0, True)], limits, delay_s=1.0)
     assert t.end == "step_timeout" and t.counters == {"step_timeouts": 1.0} and t.reward(limits) == 0.0
+    # time queued behind other episodes' steps does not count: one thread, two 0.3 s steps, 0.5 s limit
+    monkeypatch.setattr("megatron_grpo.environments.episodes.STEP_THREADS", 1)
+    envs = [ScriptedEnvironment([([], 1.0, True)], delay_s=0.3) for _ in range(2)]
+    engine = ScriptedEngine(tokenizer, [[("1", "stop")]] * 2)
+    slow = run_episodes([record(), record()], envs, ChatRenderer(tokenizer),
+                        dataclasses.replace(LIMITS, step_timeout_s=0.5), engine)
+    assert [t.end for t in slow] == ["done", "done"]
     with pytest.raises(EnvironmentFailure, match="environment.step raised RuntimeError: boom"):
         _one(tokenizer, [("1", "stop")], [], LIMITS, fail=True)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional, Sequence
 
@@ -29,7 +30,8 @@ from megatron_grpo.errors import ConfigError, MegatronGRPOError
 logger = logging.getLogger(__name__)
 
 _SENTINEL = "\x00turn\x00"  # stands for an assistant turn's content when finding the template's closing
-_NEUTRAL = [{"role": "user", "content": "-"}]  # what observations are rendered after on a template mismatch
+_NEUTRAL = [{"role": "user", "content": "-"}]
+STEP_THREADS = 32  # environment steps run at once (tools run in their own processes)  # what observations are rendered after on a template mismatch
 
 
 class EnvironmentFailure(MegatronGRPOError):
@@ -151,7 +153,8 @@ def run_episodes(records: Sequence[PromptRecord], environments: Sequence[Environ
     for record, env in zip(records, environments):
         messages = _call(env_name, "reset", env.reset, record)
         trajectories.append(Trajectory(prompt_ids=renderer.prompt_ids(messages), messages=list(messages)))
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(8, len(trajectories))))
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(STEP_THREADS, len(trajectories))))
+    starts: dict[int, float] = {}  # episode -> when its current step began running (not queued)
     try:
         for turn in range(limits.max_turns):
             running = [i for i, t in enumerate(trajectories) if t.end == "running"]
@@ -179,11 +182,13 @@ def run_episodes(records: Sequence[PromptRecord], environments: Sequence[Environ
                 elif out.finish_reason == "length":
                     t.end = "turn_length" if len(out.ids) >= limits.max_new_tokens_per_turn else "max_length"
                 else:
-                    steps[request.episode] = (pool.submit(environments[request.episode].step, text), out, text)
+                    starts.pop(request.episode, None)
+                    steps[request.episode] = (pool.submit(_timed, starts, request.episode,
+                                                          environments[request.episode].step, text), out, text)
             for i, (future, out, text) in steps.items():
                 t = trajectories[i]
                 try:
-                    result = future.result(timeout=limits.step_timeout_s)
+                    result = _result_within(future, starts, i, limits.step_timeout_s)
                 except concurrent.futures.TimeoutError:
                     t.end = "step_timeout"  # the thread cannot be stopped; built-in tools stop their own
                     t.count("step_timeouts")
@@ -199,6 +204,24 @@ def run_episodes(records: Sequence[PromptRecord], environments: Sequence[Environ
         for env in environments:
             _call(env_name, "close", env.close)
     return trajectories
+
+
+def _timed(starts: dict[int, float], episode: int, step, text: str):
+    starts[episode] = time.monotonic()
+    return step(text)
+
+
+def _result_within(future, starts: dict[int, float], episode: int, timeout_s: float):
+    """The step's result; TimeoutError once it has *run* for timeout_s (time queued behind other
+    episodes' steps does not count)."""
+    while True:
+        started = starts.get(episode)
+        wait = 0.05 if started is None else max(0.0, started + timeout_s - time.monotonic())
+        try:
+            return future.result(timeout=wait)
+        except concurrent.futures.TimeoutError:
+            if started is not None:
+                raise
 
 
 def _record_step(t: Trajectory, result: StepResult, limits: EpisodeLimits, turn: int, renderer: ChatRenderer,
