@@ -580,3 +580,11 @@ def test_off_policy_rules_equal_the_algorithms(overrides):
     except ConfigError:
         config_ok = False
     assert config_ok == algo_ok
+
+
+def test_routing_replay_with_sglang_is_refused_until_the_client_reads_the_routes():
+    moe = ["model.override_config.model_type=qwen3_moe", "model.override_config.num_experts=8",
+           "actor.moe_routing_replay=true"]
+    validate(valid(*moe))
+    message = error_of(validate, valid(*moe, "rollout.engine=sglang"))
+    assert "actor.moe_routing_replay=true with rollout.engine=sglang" in message
