@@ -142,7 +142,8 @@ def test_sandbox_stops_and_reports(code, status, words):
 
 def test_sandbox_writes_only_inside_its_scratch_directory(tmp_path):
     outside = tmp_path / "outside.txt"
-    for code in (f"open({str(outside)!r}, 'w').write('x')", f"import os\nos.open({str(outside)!r}, os.O_CREAT | os.O_WRONLY)",
+    for code in (f"open({str(outside)!r}, 'w').write('x')",
+                 f"import os\nos.open({str(outside)!r}, os.O_CREAT | os.O_WRONLY)",
                  f"import os\nos.chdir('/')\nopen({str(tmp_path.relative_to('/') / 'outside.txt')!r}, 'a')"):
         result = run_python(code, FAST)
         assert result.status == "blocked" and "outside the scratch directory" in result.report(), result

@@ -253,7 +253,8 @@ def test_local_engine_trajectories_logprobs_equal_a_full_forward(tokenizer):
     prompts, _ = encode_prompts(records, tokenizer, 16)
     limits = EpisodeLimits(max_turns=3, max_new_tokens_per_turn=4, max_length=40, step_timeout_s=5.0)
     settings = RolloutSettings(n=4, sampling=SamplingParams(
-        n=4, max_new_tokens=4, seed=5, stop_token_ids=tuple(tokenizer.convert_tokens_to_ids(list("0123456789")))), adv_estimator="grpo",
+        n=4, max_new_tokens=4, seed=5, stop_token_ids=tuple(tokenizer.convert_tokens_to_ids(list("0123456789")))),
+        adv_estimator="grpo",
                                advantage_config=AdvantageConfig(),
                                multi_turn=MultiTurnSettings("tests.test_multi_turn:EchoEnvironment", {}, limits))
     batch = collect_rollout_batch(engine, lambda: prompts, tokenizer, None, settings, step=1, num_prompts=3,
@@ -308,7 +309,8 @@ def test_trainer_logprobs_equal_the_engines_over_multi_turn_trajectories(tmp_pat
                  "logging.plot=false", f"logging.output_dir={tmp_path}",
                  # every turn answered (an observation after each), turns ended by any digit (ids 14..23)
                  "rollout.multi_turn.environment=tests.test_multi_turn:EchoEnvironment",
-                 "rollout.multi_turn.environment_kwargs={}", f"rollout.stop_token_ids=[{','.join(map(str, range(14, 24)))}]"]
+                 "rollout.multi_turn.environment_kwargs={}",
+                 f"rollout.stop_token_ids=[{','.join(map(str, range(14, 24)))}]"]
     out = run_distributed(_tool_step, 1, (overrides,), timeout=300)[0]
     metrics = out["metrics"]
     assert out["trained"] > 0 and out["masked"] > 0 and metrics["multi_turn/turns_mean"] > 1.5
@@ -350,3 +352,32 @@ def test_shipped_tool_recipes_validate():
     validate(big, world_size=8)
     assert multi_turn_settings(big).limits.max_length == 768 + 2304
     assert multi_turn_settings(load_config("tiny_cpu")) is None
+
+
+def test_python_tool_episode_puts_the_sandbox_output_in_the_trajectory():
+    """The GSM8K python environment through the driver: the engine's tool call is run in the
+    sandbox, its output comes back as a masked tool observation, the final answer is scored."""
+    from megatron_grpo.environments.python_tool import PythonToolEnvironment
+    from tests.test_multi_turn_sglang import TEMPLATE
+    from tests.tiny_hf import EOS_ID, char_tokenizer
+
+    tok = char_tokenizer()  # no whitespace in its vocabulary: JSON, prompts and "####42" (flexible) without it
+    turns = ['<tool_call>{"name":"python","arguments":{"code":"print(6*7)"}}</tool_call>', "####42"]
+
+    def generate(requests):
+        return [TurnOutput(encode(tok, turns[r.turn]) + [EOS_ID], [-0.5] * (len(encode(tok, turns[r.turn])) + 1),
+                           "stop", weight_version=0) for r in requests]
+
+    question = PromptRecord(data_source="gsm8k", prompt=[{"role": "user", "content": "6*7?"}], ground_truth="42")
+    env = PythonToolEnvironment(timeout_s=5.0, cpu_s=2, memory_mb=512, method="flexible",
+                                system_prompt="Use<tool_call>.")
+    limits = dataclasses.replace(LIMITS, max_new_tokens_per_turn=128, max_length=400)
+    [t] = run_episodes([question], [env], ChatRenderer(tok, TEMPLATE), limits, generate)
+    assert t.end == "done" and t.turn_rewards == [None, 1.0]
+    first = len(encode(tok, turns[0])) + 1
+    # the template closes a turn with "|", not the engine's <eos>: both kept (counted as a mismatch),
+    # then the tool turn (the tokenizer has no "\n")
+    observation = encode(tok, "|[tool]42|[assistant]")
+    assert t.response_ids == encode(tok, turns[0]) + [EOS_ID] + observation + encode(tok, turns[1]) + [EOS_ID]
+    assert t.response_mask == [True] * first + [False] * len(observation) + [True] * (len(turns[1]) + 1)
+    assert t.counters == {"tool_calls": 1.0, "tool_call_errors": 0.0, "template_mismatch": 1.0}

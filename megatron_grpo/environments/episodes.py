@@ -30,8 +30,8 @@ from megatron_grpo.errors import ConfigError, MegatronGRPOError
 logger = logging.getLogger(__name__)
 
 _SENTINEL = "\x00turn\x00"  # stands for an assistant turn's content when finding the template's closing
-_NEUTRAL = [{"role": "user", "content": "-"}]
-STEP_THREADS = 32  # environment steps run at once (tools run in their own processes)  # what observations are rendered after on a template mismatch
+_NEUTRAL = [{"role": "user", "content": "-"}]  # what observations are rendered after on a template mismatch
+STEP_THREADS = 32  # environment steps run at once (tools run in their own processes)
 
 
 class EnvironmentFailure(MegatronGRPOError):

@@ -6,8 +6,8 @@ time (RLIMIT_CPU), address space (RLIMIT_AS: a 10 GB allocation fails with Memor
 environment, `python -I` (no user site, no PYTHON* variables). Network, writes outside the scratch
 directory and starting programs are refused by a CPython audit hook (sys.addaudithook, installed
 before the code runs and not removable from Python): socket creation/connect/bind, open() for
-writing / os file mutations outside scratch, subprocess / os.exec* / os.system / fork, ctypes symbol look-ups and calls (libraries such as numpy
-still import).
+writing / os file mutations outside scratch, subprocess / os.exec* / os.system / fork, ctypes
+symbol look-ups and calls (libraries such as numpy still import).
 
 Limits of this choice (documented, not hidden): audit hooks guard against a policy model's mistakes,
 not a determined attacker; native extension code that makes raw syscalls is not seen by them. No
@@ -27,16 +27,24 @@ from typing import Literal, Optional
 
 Status = Literal["ok", "error", "timeout", "memory", "blocked"]
 
-# The child's prelude: the hook, then the user's code read from stdin (argv[1] = the scratch dir).
+# The child's prelude: its limits, the hook, then the user's code read from stdin (argv: the scratch
+# dir, CPU seconds, address-space bytes, file bytes). The limits are set here rather than in a
+# preexec_fn: that is unsafe in the threaded trainer process and would rule out vfork, which keeps
+# starting a child from a large process cheap.
 _PRELUDE = r'''
-import os, sys
+import os, resource, sys
+_cpu, _memory, _file = (int(v) for v in sys.argv[2:5])
+resource.setrlimit(resource.RLIMIT_CPU, (_cpu, _cpu + 1))
+resource.setrlimit(resource.RLIMIT_AS, (_memory, _memory))
+resource.setrlimit(resource.RLIMIT_FSIZE, (_file, _file))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 _scratch = os.path.realpath(sys.argv[1])
 _WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 _MUTATE = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink", "os.link",
            "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
 _REFUSE = ("socket.", "subprocess.", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "os.fork",
            "os.forkpty", "os.kill", "os.killpg", "pty.", "ctypes.dlsym", "ctypes.call_function", "ctypes.cdata",
-           "ctypes.addressof", "_posixsubprocess")
+           "ctypes.addressof", "_posixsubprocess", "resource.setrlimit", "resource.prlimit")
 def _inside(path):
     try:
         path = os.fsdecode(path)
@@ -93,19 +101,12 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), scratch_root:
     """Runs `code` under `limits` in a fresh scratch directory; never raises for what the code does."""
     scratch = tempfile.mkdtemp(prefix="mgrpo_tool_", dir=scratch_root)
 
-    def limit_child() -> None:  # runs in the child between fork and exec
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
     try:
-        proc = subprocess.Popen([sys.executable, "-I", "-c", _PRELUDE, scratch], cwd=scratch,
+        limit_args = [str(limits.cpu_s), str(limits.memory_bytes), str(limits.file_bytes)]
+        proc = subprocess.Popen([sys.executable, "-I", "-c", _PRELUDE, scratch, *limit_args], cwd=scratch,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env={"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch},
-                                preexec_fn=limit_child, start_new_session=True)
+                                start_new_session=True)
         try:
             out, err = proc.communicate(code.encode("utf-8", "replace"), timeout=limits.timeout_s)
             timed_out = False
