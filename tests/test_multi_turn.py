@@ -281,13 +281,10 @@ def test_local_engine_trajectories_logprobs_equal_a_full_forward(tokenizer):
 def _tool_step(rank, world_size, overrides):
     from megatron_grpo.config import load_config, validate
     from megatron_grpo.trainer import loop
-    from megatron_grpo.trainer.rollout_phase import multi_turn_settings
     from megatron_grpo.trainer.setup import build_run
 
-    settings, collect = loop.rollout_settings, loop.collect_rollout_batch
+    collect = loop.collect_rollout_batch
     batches = []
-    # until trainer/loop.py's rollout_settings passes rollout.multi_turn itself
-    loop.rollout_settings = lambda cfg: dataclasses.replace(settings(cfg), multi_turn=multi_turn_settings(cfg))
     loop.collect_rollout_batch = lambda *a, **k: batches.append(collect(*a, **k)) or batches[-1]
     cfg = load_config("recipes/tiny_cpu_tool.yaml", overrides)
     validate(cfg, world_size=1)

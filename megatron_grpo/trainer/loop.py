@@ -31,7 +31,7 @@ from megatron_grpo.trainer.metrics import MetricsLogger, NullLogger, SinkOptions
 from megatron_grpo.trainer.micro_batches import padding_metrics, plan_micro_batches
 from megatron_grpo.trainer.resume import resume
 from megatron_grpo.trainer.local_engine import trainer_threads
-from megatron_grpo.trainer.rollout_phase import RolloutSettings, collect_rollout_batch
+from megatron_grpo.trainer.rollout_phase import RolloutSettings, collect_rollout_batch, multi_turn_settings
 from megatron_grpo.trainer.rollout_pipeline import RolloutPipeline
 from megatron_grpo.trainer.setup import Run, build_run, first_mini_batch_has_old_pass, old_logprobs_needed
 from megatron_grpo.trainer.signals import StopSignals
@@ -184,7 +184,7 @@ def rollout_settings(cfg: Config) -> RolloutSettings:
                            advantage_config=AdvantageConfig(norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo),
                            filter_groups=cfg.algorithm.filter_groups.enable,
                            max_generation_rounds=cfg.algorithm.filter_groups.max_num_gen_batches,
-                           routing_replay=cfg.actor.moe_routing_replay)
+                           routing_replay=cfg.actor.moe_routing_replay, multi_turn=multi_turn_settings(cfg))
 
 
 def grpo_loss_config(cfg: Config) -> GRPOLossConfig:
