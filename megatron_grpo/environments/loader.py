@@ -2,15 +2,13 @@
 "pkg.module:Class" or "path/to/file.py:Class" (the same spec forms as reward functions)."""
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.util
 import inspect
-import sys
 from pathlib import Path
 
 from megatron_grpo.environments.base import Environment
 from megatron_grpo.errors import ConfigError
+from megatron_grpo.rewards.loader import import_user_file
 
 BUILTIN_ENVIRONMENTS: dict[str, str] = {
     "lookup": "megatron_grpo.environments.lookup:LookupEnvironment",
@@ -53,19 +51,4 @@ def _import(spec: str, target: str):
 
 
 def _load_file(spec: str, path: Path):
-    path = path.resolve()
-    if not path.is_file():
-        raise ConfigError(f"{KEY}={spec!r}: file {path} does not exist")
-    # a stable, path-derived module name: loading the same file twice gives the same module
-    name = "megatron_grpo_user_env_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise ConfigError(f"{KEY}={spec!r}: {path} failed to import: {type(exc).__name__}: {exc}") from exc
-    return module
+    return import_user_file(path.resolve(), "megatron_grpo_user_env_", f"{KEY}={spec!r}: file")

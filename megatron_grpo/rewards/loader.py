@@ -43,10 +43,16 @@ def canonical_spec(spec: str) -> str:
 
 
 def _load_file(path: Path):
+    return import_user_file(path, "megatron_grpo_user_reward_", "reward function file")
+
+
+def import_user_file(path: Path, module_prefix: str, what: str):
+    """A user's .py file as a module, imported once (a stable, path-derived module name: loading the
+    same file twice gives the same module). Also loads environments (environments/loader.py).
+    `what` starts the one-line errors, e.g. "reward function file"."""
     if not path.is_file():
-        raise ConfigError(f"reward function file {path} does not exist")
-    # a stable, path-derived module name: loading the same file twice gives the same module
-    name = "megatron_grpo_user_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+        raise ConfigError(f"{what} {path} does not exist")
+    name = module_prefix + hashlib.sha1(str(path).encode()).hexdigest()[:12]
     if name in sys.modules:
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, path)
@@ -56,7 +62,7 @@ def _load_file(path: Path):
         module_spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise ConfigError(f"reward function file {path} failed to import: {type(exc).__name__}: {exc}") from exc
+        raise ConfigError(f"{what} {path} failed to import: {type(exc).__name__}: {exc}") from exc
     return module
 
 
