@@ -1,5 +1,6 @@
-"""README.md against the code: its generated tables (the verl key table and "Every recipe key") are what the code
-generates now: `python scripts/update_readme_tables.py` rewrites them after a schema change."""
+"""README.md against the code: its generated tables (the verl key table and "Every recipe key";
+`python scripts/update_readme_tables.py` rewrites them after a schema change) and its example
+environment."""
 import sys
 from pathlib import Path
 
