@@ -5,6 +5,7 @@ sampler functions and scheduler-side weight-update code, with a CPU scheduler fo
 failed on the code before its fix (noted as "was:")."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -401,6 +402,32 @@ def test_update_aborts_running_generation_then_resumes(servers):
     runner.join(timeout=60)
     assert result["out"][0].finish_reason == "abort"
     assert_engine_holds(url, model, 15)
+
+
+def test_async_generate_resubmits_groups_a_weight_update_aborted(servers):
+    """With resubmit_aborted (asynchronous GRPO), a group aborted by a weight update mid-generation
+    is sent again: SGLang holds it until generation continues, so it comes back whole, from the new
+    weights; a group that finished before the update keeps its old version."""
+    url = servers["det"]
+    client = SGLangClient([url])
+    engine = SGLangEngine(client, TensorTransport(client, EngineTarget(url)), generate_client=SGLangClient([url]),
+                          options=dataclasses.replace(NO_PROBE, resubmit_aborted=True))
+    # long enough to be in flight at the update (~8 s here), short enough to generate twice
+    long = SamplingParams(max_new_tokens=1500, ignore_eos=True, seed=1)
+    batch = [GenerationRequest((5, 6), long, group_id="long"),
+             GenerationRequest((5, 6), SamplingParams(max_new_tokens=3, seed=1), group_id="short")]
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(out=engine.generate(batch)))
+    runner.start()
+    time.sleep(1.5)
+    model = tiny_model(seed=9, scale=3.0)
+    engine.update_weights(hf_stream(model), version=16)
+    runner.join(timeout=300)
+    long_sample, short_sample = result["out"]
+    assert (long_sample.finish_reason, len(long_sample.response_ids)) == ("length", 1500)
+    assert long_sample.weight_version == 16 and engine.resubmitted_groups == 1
+    assert short_sample.finish_reason == "length" and short_sample.weight_version != 16
+    assert_engine_holds(url, model, 16)
 
 
 def test_verification_names_a_tensor_the_engine_skipped(servers):

@@ -14,8 +14,11 @@ j - 1 trains. K = 0 never builds this pipeline (the synchronous loop).
 
 Engines. A generate call of the producer may run while the trainer syncs weights: the local engine
 in its own process stages the new version and applies it before its next generate call (the call in
-flight finishes under the old version, whose staleness counts); SGLang aborts in-flight requests at
-a sync (see rollout/sglang/engine.py for what is resubmitted). Evaluation pauses the producer
+flight finishes under the old version, whose staleness counts); SGLang aborts the requests in flight
+at a sync (pause_generation mode=abort) and the engine resubmits their groups (EngineOptions.
+resubmit_aborted, on for K > 0), which SGLang holds until generation continues: they come back whole
+from the new weights, and the partial generation is lost (the cost: up to one response length of
+generation per aborted group and sync). Evaluation pauses the producer
 between batches (`paused`), so eval generates alone with the newest weights.
 
 Resume. The producer draws prompts from a copy of the run's sampler; run.sampler (what a checkpoint

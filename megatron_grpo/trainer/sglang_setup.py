@@ -105,7 +105,7 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
         engine = SGLangEngine(client, transport, generate_client=generate_client, pool=pool, options=EngineOptions(
             send_seeds=s.deterministic_inference, verify_interval=s.verify_interval,
             health_check_interval_s=s.health_check_interval_s, health_check_timeout_s=s.health_check_timeout_s,
-            min_engines=s.min_engines))
+            min_engines=s.min_engines, resubmit_aborted=cfg.rollout.max_staleness > 0))
         health = engine.health()
         if not health:
             raise MegatronGRPOError(f"SGLang engines are not healthy at start: {health.detail}")

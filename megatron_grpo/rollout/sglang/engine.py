@@ -33,6 +33,11 @@ class EngineOptions:
     health_check_interval_s: float = 30.0  # background /health_generate probe; 0 = off
     health_check_timeout_s: float = 60.0
     min_engines: int = 1
+    # Asynchronous GRPO: a weight update aborts the requests in flight (pause_generation mode=abort);
+    # True resubmits their groups, which SGLang holds until generation continues, so they come back
+    # whole from the new weights (the partial work is lost). False returns them as 'abort' samples.
+    resubmit_aborted: bool = False
+    max_resubmits: int = 8  # per generate call: a group aborted this often is returned as aborted
 
 
 class SGLangEngine(RolloutEngine):
@@ -60,6 +65,8 @@ class SGLangEngine(RolloutEngine):
         self.last_sync_metrics: dict[str, float] = {}
         self._stage_targets = list(self.pool.alive_targets)  # per-stage sync: what the senders reach
         self._stage_started = 0.0
+        self._stopping = False  # abort() was called during the current generate
+        self.resubmitted_groups = 0  # groups resubmitted after a weight update aborted them (resubmit_aborted)
 
     @property
     def weight_version(self) -> int:
@@ -72,9 +79,23 @@ class SGLangEngine(RolloutEngine):
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]:
         if not self.options.send_seeds:
             requests = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, seed=None)) for r in requests]
-        return self.generate_client.generate(requests)
+        self._stopping = False
+        samples = self.generate_client.generate(requests)
+        if not self.options.resubmit_aborted:
+            return samples
+        for _ in range(self.options.max_resubmits):
+            aborted = {s.group_id for s in samples if s.finish_reason == "abort"}
+            if not aborted or self._stopping:  # abort() asked for them: they stay aborted
+                break
+            again = [r for r in requests if r.group_id in aborted]
+            log.info("resubmitting %d group(s) aborted by a weight update", len(again))
+            self.resubmitted_groups += len(again)
+            fresh = {(s.group_id, s.sample_index): s for s in self.generate_client.generate(again)}
+            samples = [fresh.get((s.group_id, s.sample_index), s) for s in samples]
+        return samples
 
     def abort(self) -> None:
+        self._stopping = True
         self.generate_client.stop_generating()
         self.client.call_all("/abort_request", {"abort_all": True}, urls=self.urls,
                              retry=RetryPolicy(max_attempts=1))
