@@ -105,12 +105,12 @@ def _samples_per_step(overrides: list[str]) -> int:
 
 def _table(results: list[Result], target: float) -> str:
     sync = {r.seed: r for r in results if r.name == "sync"}
-    lines = [f"| configuration | seed | time to {target} | vs sync | samples to {target} | vs sync | tokens/s | vs sync "
+    lines = [f"| configuration | seed | time to {target} | speed vs sync | samples to {target} | vs sync | tokens/s | vs sync "
              "| last-10 reward | peak RSS | mean staleness | dropped stale |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         base = sync[r.seed]
-        speed = (f"{base.time_to_target_s / r.time_to_target_s:.2f}x faster"
+        speed = (f"{base.time_to_target_s / r.time_to_target_s:.2f}x"
                  if r.time_to_target_s and base.time_to_target_s else "-")
         samples = (f"{r.samples_to_target / base.samples_to_target:.2f}x"
                    if r.samples_to_target and base.samples_to_target else "-")
