@@ -79,13 +79,10 @@ def test_llama3_inv_freq_matches_transformers():
 
 
 def _megatron_logits(rank, world_size, paths, tp, pp):
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
     from megatron_grpo.convert import load_hf_weights
     from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
     from megatron_grpo.models import build_model, build_reference_model
+    from megatron_grpo.testing.logits import forward_only_logits
 
     layout = ParallelLayout(tensor=tp, pipeline=pp)
     initialize_model_parallel(layout)
@@ -97,20 +94,8 @@ def _megatron_logits(rank, world_size, paths, tp, pp):
         load_hf_weights(chunks, cfg, path)
         if arch == "qwen3":
             assert not any(p.requires_grad for p in chunks[0].parameters()) and not chunks[0].training
-        tokens = _tokens(cfg.vocab_size)
-        positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
-        captured = {}
-
-        def step(_, model):
-            def loss(output):
-                captured["logits"] = output.detach()
-                return output.sum() * 0, {}
-            return model(tokens, positions, None), loss
-
-        get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=chunks,
-                                    num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH, forward_only=True)
-        if ps.is_pipeline_last_stage():
-            full = gather_from_tensor_model_parallel_region(captured["logits"])
+        full = forward_only_logits(chunks, _tokens(cfg.vocab_size))
+        if full is not None:
             assert full.shape[-1] == cfg.padded_vocab_size
             results[arch] = full[..., : cfg.vocab_size].numpy()
     return results

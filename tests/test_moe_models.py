@@ -86,14 +86,11 @@ def test_hf_names_of_the_moe_model():
 
 
 def _logits_and_export(rank, world_size, path, tp, pp, ep, etp):
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
     from megatron_grpo.convert import load_hf_weights
     from megatron_grpo.convert.export import gather_hf_weights_on_rank0
     from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
     from megatron_grpo.models import build_reference_model
+    from megatron_grpo.testing.logits import forward_only_logits
 
     layout = ParallelLayout(tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp)
     initialize_model_parallel(layout)
@@ -103,21 +100,8 @@ def _logits_and_export(rank, world_size, path, tp, pp, ep, etp):
     local_experts = {len(layer.mlp.local_expert_indices) for layer in chunks[0].decoder.layers
                      if hasattr(layer.mlp, "local_expert_indices")}
     assert local_experts == {cfg.num_experts // ep}
-    tokens = _tokens(cfg.vocab_size)
-    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
-    captured = {}
-
-    def step(_, model):
-        def loss(output):
-            captured["logits"] = output.detach()
-            return output.sum() * 0, {}
-        return model(tokens, positions, None), loss
-
-    get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=chunks,
-                                num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH, forward_only=True)
-    logits = None
-    if ps.is_pipeline_last_stage():
-        logits = gather_from_tensor_model_parallel_region(captured["logits"])[..., : cfg.vocab_size].numpy()
+    full = forward_only_logits(chunks, _tokens(cfg.vocab_size))
+    logits = None if full is None else full[..., : cfg.vocab_size].numpy()
     exported = {name: tensor.clone() for name, tensor in gather_hf_weights_on_rank0(chunks, cfg)}
     return logits, exported
 
