@@ -16,6 +16,7 @@ from megatron_grpo.environments import Environment, StepResult
 from megatron_grpo.environments.episodes import (ChatRenderer, EnvironmentFailure, EpisodeLimits, TurnOutput,
                                                  run_episodes)
 from megatron_grpo.testing.distributed import run_distributed
+from tests.tiny_hf import float64_logprobs
 from megatron_grpo.trainer.batching import TrainSample, collate, collate_packed
 
 # A Qwen-style template that merges consecutive tool messages into one user turn (as Qwen3's does),
@@ -263,10 +264,7 @@ def test_local_engine_trajectories_logprobs_equal_a_full_forward(tokenizer):
     assert sum(not all(s.response_mask) for s in batch.samples) > 6
     for i, sample in enumerate(batch.samples):
         assert sample.prompt_ids == prompts[i // 4].input_ids and len(sample.response_mask) == len(sample.response_ids)
-        ids = torch.tensor([sample.prompt_ids + sample.response_ids])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(sample.prompt_ids) - 1:-1].double()
-        reference = torch.log_softmax(logits, -1).gather(1, torch.tensor(sample.response_ids)[:, None]).squeeze(1)
+        reference = float64_logprobs(model, sample.prompt_ids, sample.response_ids)
         mask = torch.tensor(sample.response_mask)
         got = torch.tensor(sample.rollout_logprobs, dtype=torch.float64)
         assert torch.all(got[~mask] == 0)

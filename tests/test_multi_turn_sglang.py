@@ -17,7 +17,7 @@ from megatron_grpo.rollout.sglang.weight_sync import DiskTransport, EngineTarget
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.trainer.rollout_phase import MultiTurnSettings, RolloutSettings, collect_rollout_batch
 from tests.sglang_harness.fixtures import launch_servers, save_long_context_model, server_settings, sglang_python
-from tests.tiny_hf import char_tokenizer, tiny_model
+from tests.tiny_hf import char_tokenizer, float64_logprobs, tiny_model
 
 pytestmark = pytest.mark.slow  # starts an SGLang test server
 
@@ -67,15 +67,12 @@ def test_sglang_trajectories_logprobs_and_greedy_equal_the_local_engine(server):
     assert batch.metrics["multi_turn/turns_mean"] > 1.5
     assert sum(not all(s.response_mask) for s in batch.samples) >= 3
     for sample in batch.samples:
-        ids = torch.tensor([sample.prompt_ids + sample.response_ids])
-        with torch.no_grad():
-            logits = reference(input_ids=ids).logits[0, len(sample.prompt_ids) - 1:-1].double()
-        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(sample.response_ids)[:, None]).squeeze(1)
+        expected = float64_logprobs(reference, sample.prompt_ids, sample.response_ids)
         mask = torch.tensor(sample.response_mask)
         got = torch.tensor(sample.rollout_logprobs, dtype=torch.float64)
         assert torch.all(got[~mask] == 0)
         # fp32 with a KV cache vs one float64 pass: a few ulps per layer times the sequence length
-        tolerance = 64 * torch.finfo(torch.float32).eps * max(1, ids.shape[1])
+        tolerance = 64 * torch.finfo(torch.float32).eps * max(1, len(sample.prompt_ids) + len(sample.response_ids))
         torch.testing.assert_close(got[mask], expected[mask], atol=tolerance, rtol=0)
     # greedy: SGLang's trajectories are the local engine's, token for token (prompts, turns, observations)
     greedy = rollout(engine, tokenizer, temperature=0.0)

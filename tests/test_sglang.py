@@ -33,7 +33,7 @@ from megatron_grpo.rollout.types import GenerationRequest, SamplingParams, deriv
 from megatron_grpo.testing.distributed import free_port
 from tests.sglang_harness.fixtures import (LONG_CONTEXT, launch_servers, save_long_context_model, server_settings,
                                            sglang_checksum, sglang_python)
-from tests.tiny_hf import char_tokenizer, tiny_model
+from tests.tiny_hf import char_tokenizer, float64_logprobs, tiny_model
 
 pytestmark = pytest.mark.slow  # starts SGLang test servers
 FAST_RETRY = RetryPolicy(max_attempts=3, backoff_s=0.05)
@@ -152,11 +152,7 @@ def reference(model_dir):
 
 
 def recomputed_logprobs(model, sample, temperature: float) -> torch.Tensor:
-    ids = torch.tensor([list(sample.prompt_ids) + list(sample.response_ids)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(sample.prompt_ids) - 1:-1].double()
-    logprobs = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
-    return logprobs.gather(1, torch.tensor(sample.response_ids)[:, None]).squeeze(1)
+    return float64_logprobs(model, sample.prompt_ids, sample.response_ids, temperature)
 
 
 def fp32_logprob_tolerance(sample) -> float:

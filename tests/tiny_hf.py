@@ -52,3 +52,13 @@ def save_tiny_model(folder: str | Path, seed: int, tie_word_embeddings: bool = F
     tiny_model(seed, tie_word_embeddings, scale).save_pretrained(folder)
     char_tokenizer().save_pretrained(folder)
     return folder
+
+
+def float64_logprobs(model, prompt_ids, response_ids, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / T) of each response id, from one full forward of `model` over prompt +
+    response, in float64: the reference the engines' per-token log-probs are held to."""
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].double()
+    logprobs = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    return logprobs.gather(1, torch.tensor(list(response_ids))[:, None]).squeeze(1)
