@@ -408,8 +408,9 @@ def test_async_generate_resubmits_groups_a_weight_update_aborted(servers):
     client = SGLangClient([url])
     engine = SGLangEngine(client, TensorTransport(client, EngineTarget(url)), generate_client=SGLangClient([url]),
                           options=dataclasses.replace(NO_PROBE, resubmit_aborted=True))
-    # long enough to be in flight at the update (~8 s here), short enough to generate twice
-    long = SamplingParams(max_new_tokens=1500, ignore_eos=True, seed=1)
+    # long enough to be still in flight at the update on an idle machine (1500 tokens were not), short
+    # enough to generate twice
+    long = SamplingParams(max_new_tokens=5000, ignore_eos=True, seed=1)
     batch = [GenerationRequest((5, 6), long, group_id="long"),
              GenerationRequest((5, 6), SamplingParams(max_new_tokens=3, seed=1), group_id="short")]
     result = {}
@@ -420,7 +421,7 @@ def test_async_generate_resubmits_groups_a_weight_update_aborted(servers):
     engine.update_weights(hf_stream(model), version=16)
     runner.join(timeout=300)
     long_sample, short_sample = result["out"]
-    assert (long_sample.finish_reason, len(long_sample.response_ids)) == ("length", 1500)
+    assert (long_sample.finish_reason, len(long_sample.response_ids)) == ("length", 5000)
     assert long_sample.weight_version == 16 and engine.resubmitted_groups == 1
     assert short_sample.finish_reason == "length" and short_sample.weight_version != 16
     assert_engine_holds(url, model, 16)
