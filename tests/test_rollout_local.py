@@ -10,7 +10,7 @@ from megatron_grpo.rollout.local import LocalEngine
 from megatron_grpo.rollout.sampling import make_state, sample_tokens
 from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
 from megatron_grpo.rollout.weights import WeightUpdateError
-from tests.tiny_hf import EOS_ID, char_tokenizer, tiny_model
+from tests.tiny_hf import EOS_ID, char_tokenizer, float64_logprobs, tiny_model
 
 PROMPTS = [(5, 9, 11), (40, 41, 42, 43, 44, 45, 46), (7,) * 12]
 
@@ -202,3 +202,99 @@ def test_abort_ends_running_generation(model):
     timer.join()
     assert {s.finish_reason for s in out} == {"abort"}
     assert all(0 < len(s.response_ids) < 100_000 for s in out)
+
+
+# ----- KV kept for a continued sequence (an episode's next turn) ---------------------------------
+# fp32 log-probs vs the float64 forward: a few hundred ulp covers the summation-order differences of
+# a padded, cached batch vs one unpadded pass
+FP32_LOGPROB_TOL = 256 * torch.finfo(torch.float32).eps
+
+
+def prefill_widths(model):
+    """Records the width of every forward's input_ids; the first of each generate call is its prefill."""
+    widths: list[int] = []
+    handle = model.register_forward_pre_hook(lambda _m, _a, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                             with_kwargs=True)
+    return widths, handle
+
+
+def first_turn(engine, stop_ids=tuple(range(100, 160))):
+    # seeded sampling with a fifth of the vocabulary as stop ids: rows stop at steps 1 to 8, two of
+    # them before a quarter of the batch has (they stay in it, fed further, until it compacts)
+    params = SamplingParams(n=4, max_new_tokens=8, seed=3, stop_token_ids=stop_ids)
+    return engine.generate([GenerationRequest(p, params, f"g{i}", keep_kv=True) for i, p in enumerate(PROMPTS)])
+
+
+def next_turns(samples):
+    """The second turn of each stopped sample: its ids + an observation of 1-4 ids."""
+    params = SamplingParams(max_new_tokens=6, seed=8, ignore_eos=True)
+    return [GenerationRequest(tuple(s.prompt_ids + s.response_ids) + tuple(range(60, 61 + k % 4)), params, f"t{k}")
+            for k, s in enumerate(samples) if s.finish_reason == "stop"]
+
+
+def test_a_continued_sequence_prefills_only_its_new_ids_and_samples_as_a_full_prefill(model):
+    engine = LocalEngine(model, char_tokenizer())
+    first = first_turn(engine)
+    turns = next_turns(first)
+    assert len(turns) >= 3 and len(engine._kept) == len(turns)  # only stopped rows are kept
+    widths, handle = prefill_widths(model)
+    try:
+        continued = engine.generate(turns)
+    finally:
+        handle.remove()
+    assert widths[0] == max(len(t.prompt_ids) - len(s.prompt_ids) - len(s.response_ids) + 1
+                            for t, s in zip(turns, [s for s in first if s.finish_reason == "stop"]))
+    assert len(engine._kept) == 0  # used entries are dropped; these requests asked for none
+    full = LocalEngine(model, char_tokenizer()).generate(turns)
+    assert [s.response_ids for s in continued] == [s.response_ids for s in full]
+    for s in continued:
+        torch.testing.assert_close(torch.tensor(s.logprobs, dtype=torch.float64),
+                                   float64_logprobs(model, s.prompt_ids, s.response_ids),
+                                   atol=FP32_LOGPROB_TOL, rtol=0)
+
+
+def test_continued_and_new_prompts_share_one_batch(model):
+    engine = LocalEngine(model, char_tokenizer())
+    turns = next_turns(first_turn(engine))[:2] + [GenerationRequest((3, 4, 5, 6), SamplingParams(max_new_tokens=6,
+                                                                                                seed=2), "new")]
+    mixed = engine.generate(turns)
+    full = LocalEngine(model, char_tokenizer()).generate(turns)
+    assert [s.response_ids for s in mixed] == [s.response_ids for s in full]
+    for s in mixed:
+        torch.testing.assert_close(torch.tensor(s.logprobs, dtype=torch.float64),
+                                   float64_logprobs(model, s.prompt_ids, s.response_ids),
+                                   atol=FP32_LOGPROB_TOL, rtol=0)
+
+
+def test_new_weights_drop_the_kept_kv(model):
+    donor = tiny_model(seed=1, scale=3.0)
+    engine = LocalEngine(tiny_model(seed=0, scale=3.0), char_tokenizer())
+    turns = next_turns(first_turn(engine))
+    engine.update_weights(((k, v.clone()) for k, v in donor.state_dict().items()), version=1)
+    assert len(engine._kept) == 0
+    widths, handle = prefill_widths(engine.model)
+    try:
+        after = engine.generate(turns)
+    finally:
+        handle.remove()
+    assert widths[0] == max(len(t.prompt_ids) for t in turns)  # everything prefilled again
+    expected = LocalEngine(donor, char_tokenizer()).generate(turns)
+    assert [s.response_ids for s in after] == [s.response_ids for s in expected]
+
+
+def test_kept_prefixes_longest_strict_prefix_and_byte_budget():
+    from megatron_grpo.rollout.kept_kv import KeptPrefix, KeptPrefixes
+
+    def prefix(ids):  # one layer, 2 heads, 4 dims: 32 bytes per id per tensor
+        return KeptPrefix(tuple(ids), ((torch.zeros(2, len(ids), 4), torch.zeros(2, len(ids), 4)),))
+
+    kept = KeptPrefixes(max_bytes=64 * 7)
+    kept.keep(prefix([1, 2]))
+    kept.keep(prefix([1, 2, 3, 4]))
+    assert kept.longest_prefix_of([1, 2, 3, 4, 5]).ids == (1, 2, 3, 4)
+    assert kept.longest_prefix_of([1, 2, 3, 4]).ids == (1, 2)  # an equal sequence leaves nothing to prefill
+    assert kept.longest_prefix_of([1, 3, 4]) is None
+    kept.keep(prefix([7, 8]))  # 2 + 4 + 2 ids > 7: the oldest goes
+    assert kept.longest_prefix_of([1, 2, 9]) is None and kept.longest_prefix_of([7, 8, 9]).ids == (7, 8)
+    kept.discard((7, 8))
+    assert len(kept) == 1 and kept.longest_prefix_of([7, 8, 9]) is None

@@ -3,7 +3,8 @@
 The embedded default's rollout engine (CPU or one GPU). All n x prompts sequences decode as one
 batch: prompts are left-padded (attention mask + explicit position ids), each distinct prompt is
 prefilled once and its KV cache repeated for its n samples, and finished rows are dropped from the
-batch once a quarter of it has finished."""
+batch once a quarter of it has finished. A request that continues a sequence kept by an earlier call
+(GenerationRequest.keep_kv: an episode's next turn) prefills only its new ids (rollout/kept_kv.py)."""
 from __future__ import annotations
 
 import inspect
@@ -16,6 +17,7 @@ import torch
 
 from megatron_grpo.convert.fused_experts import fuse_expert_tensors
 from megatron_grpo.rollout.engine import NamedTensors, RolloutEngine
+from megatron_grpo.rollout.kept_kv import KeptPrefix, KeptPrefixes
 from megatron_grpo.rollout.sampling import make_state, sample_tokens
 from megatron_grpo.rollout.types import (EngineHealth, GenerationRequest, Sample, SamplingParams,
                                          derive_sample_seed)
@@ -64,11 +66,13 @@ class LocalEngine(RolloutEngine):
     `tokenizer` is only needed for stop strings. EOS ids come from `eos_token_ids`, else the
     model's generation config / config, else the tokenizer. `max_batch_rows` bounds the number
     of sequences decoded together (memory); `seed` seeds the requests that carry none.
-    With `record_routed_experts`, a MoE model's samples carry their routes (Sample.routed_experts)."""
+    With `record_routed_experts`, a MoE model's samples carry their routes (Sample.routed_experts);
+    such a model keeps no KV between calls (a continued prefix would have no routes).
+    `kept_kv_bytes` bounds the KV kept for requests with keep_kv."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, device: str | torch.device = "cpu",
                  eos_token_ids: Sequence[int] | None = None, seed: int = 0, max_batch_rows: int = 256,
-                 record_routed_experts: bool = True):
+                 record_routed_experts: bool = True, kept_kv_bytes: int = 1 << 30):
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
@@ -88,6 +92,7 @@ class LocalEngine(RolloutEngine):
         # record_routed_experts=False when the trainer does not replay them: no hooks, no copies)
         self._recorder = (RoutedExpertsRecorder(self.model) if record_routed_experts and sparse_blocks(self.model)
                           else None)
+        self._kept = KeptPrefixes(kept_kv_bytes)
 
     # ----- construction -----------------------------------------------------------------------
     @classmethod
@@ -169,10 +174,13 @@ class LocalEngine(RolloutEngine):
         with self._lock:
             report = self._loader.load(fuse_expert_tensors(named_tensors, self.model), require_all=True)
             self._version = int(version)
+            self._kept.clear()  # computed with the old weights
         return report
 
     def release_memory(self) -> None:
-        # On CPU there is nothing to give back: weights stay, the KV cache lives only inside generate().
+        # On CPU only the kept KV is given back: the weights stay.
+        with self._lock:
+            self._kept.clear()
         if self.device.type == "cuda":
             with self._lock:
                 self.model.to("cpu")
@@ -221,22 +229,12 @@ class LocalEngine(RolloutEngine):
         return out.logits[:, -1].float()
 
     def _decode(self, requests: Sequence[GenerationRequest], rows: list[_Row], seeds: list[int], epoch: int) -> None:
-        from transformers import DynamicCache
-
         device = self.device
         request_ids = sorted({r.request_index for r in rows})
         slot_of = {req_index: slot for slot, req_index in enumerate(request_ids)}
         prompts = [requests[i].prompt_ids for i in request_ids]
         width = max(len(p) for p in prompts)
-        input_ids = torch.zeros(len(prompts), width, dtype=torch.int64)
-        mask = torch.zeros(len(prompts), width, dtype=torch.int64)
-        for slot, prompt in enumerate(prompts):  # left padding: every prompt ends at the last column
-            input_ids[slot, width - len(prompt):] = torch.tensor(prompt)
-            mask[slot, width - len(prompt):] = 1
-        input_ids, mask = input_ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
-        cache = DynamicCache(config=self.model.config)
-        logits = self._forward(input_ids, mask, positions, cache)
+        cache, logits, mask = self._prefill(prompts)
         if self._recorder is not None:  # each prompt's positions, shared by its n samples
             prefill = self._recorder.take(len(prompts), width)
             for row in rows:
@@ -268,8 +266,10 @@ class LocalEngine(RolloutEngine):
                         row.finish = "abort"
             alive = [i for i, row in enumerate(batch) if row.finish is None]
             if not alive:
+                self._keep_kv(requests, batch, range(len(batch)), cache, mask)
                 return
             if len(batch) - len(alive) >= _COMPACT_FRACTION * len(batch):
+                self._keep_kv(requests, batch, sorted(set(range(len(batch))) - set(alive)), cache, mask)
                 keep = torch.tensor(alive, device=device)
                 cache.batch_select_indices(keep)
                 mask, next_pos, tokens = mask[keep], next_pos[keep], tokens[keep]
@@ -283,6 +283,58 @@ class LocalEngine(RolloutEngine):
                     if row.finish is None:
                         row.routed.append(routes)
             next_pos = next_pos + 1
+
+    def _prefill(self, prompts: Sequence[tuple[int, ...]]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """One forward over the prompts, left-padded (each ends at the last column); a prompt that
+        continues a kept prefix feeds only its new ids after that prefix's KV, right-aligned in the
+        cache part of the mask. Returns the cache, the last position's logits and the attention mask."""
+        from transformers import DynamicCache
+
+        kept = [self._kept.longest_prefix_of(p) if self._recorder is None else None for p in prompts]
+        for prefix in {k.ids: k for k in kept if k is not None}.values():
+            self._kept.discard(prefix.ids)
+        cached = [len(k.ids) if k is not None else 0 for k in kept]
+        cached_width = max(cached)
+        width = max(len(p) - c for p, c in zip(prompts, cached))
+        input_ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+        mask = torch.zeros(len(prompts), cached_width + width, dtype=torch.int64)
+        for slot, (prompt, c) in enumerate(zip(prompts, cached)):
+            new = prompt[c:]
+            input_ids[slot, width - len(new):] = torch.tensor(new)
+            mask[slot, cached_width - c:cached_width] = 1
+            mask[slot, cached_width + width - len(new):] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp_(min=0)[:, cached_width:]
+        data = None
+        if cached_width:
+            hit = next(k for k in kept if k is not None)
+            data = []
+            for layer, (keys, values) in enumerate(hit.layers):
+                shape = (len(prompts), keys.shape[0], cached_width, keys.shape[-1])
+                layer_keys, layer_values = keys.new_zeros(shape), values.new_zeros(shape)
+                for slot, prefix in enumerate(kept):
+                    if prefix is not None:
+                        layer_keys[slot, :, cached_width - cached[slot]:] = prefix.layers[layer][0]
+                        layer_values[slot, :, cached_width - cached[slot]:] = prefix.layers[layer][1]
+                data.append((layer_keys, layer_values))
+        cache = DynamicCache(data, config=self.model.config)
+        return cache, self._forward(input_ids, mask, positions, cache), mask
+
+    def _keep_kv(self, requests: Sequence[GenerationRequest], batch: list[_Row], positions: Sequence[int],
+                 cache: Any, mask: torch.Tensor) -> None:
+        """Keeps the KV of the finished rows at `positions` whose requests asked for it (keep_kv).
+        A row's KV covers its prompt and all of its response but the last id (never fed back); the
+        mask's first that many ones are its columns (a finished row still in the batch fed more)."""
+        wanted = [i for i in positions if batch[i].finish == "stop" and requests[batch[i].request_index].keep_kv]
+        if not wanted or self._recorder is not None or any(getattr(cache, "is_sliding", None) or ()):
+            return
+        layers = [(kv[0], kv[1]) for kv in cache]
+        for i in wanted:
+            row = batch[i]
+            ids = requests[row.request_index].prompt_ids + tuple(row.response[:-1])
+            columns = mask[i].nonzero().squeeze(-1)[:len(ids)]
+            self._kept.keep(KeptPrefix(ids, tuple((keys[i][:, columns], values[i][:, columns])
+                                                  for keys, values in layers)))
 
     def _check_finished(self, row: _Row, token: int, stop_window: int) -> None:
         if token in row.stop_ids:

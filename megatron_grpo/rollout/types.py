@@ -63,6 +63,9 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     group_id: str = ""
+    # A later request continues this one's prompt + response (an episode's next turn): the local
+    # engine keeps its KV cache for it (rollout/kept_kv.py); SGLang's radix cache keeps prefixes anyway.
+    keep_kv: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))

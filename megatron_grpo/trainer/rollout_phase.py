@@ -179,8 +179,8 @@ def _multi_turn_round(engine, prompts, tokenizer, settings, step, rounds, timing
             seed = derive_sample_seed(_seeded(settings.sampling, step, rounds, group).seed, index)
             sampling = dataclasses.replace(settings.sampling, n=1, max_new_tokens=turn.max_new_tokens,
                                            seed=(seed + turn.turn * 1_000_033) % (2**63 - 1))
-            requests.append(GenerationRequest(prompt_ids=turn.ids, sampling=sampling,
-                                              group_id=f"{step}:{rounds}:{group}"))
+            requests.append(GenerationRequest(prompt_ids=turn.ids, sampling=sampling, group_id=f"{step}:{rounds}:{group}",
+                                              keep_kv=turn.turn + 1 < mt.limits.max_turns))
         with cuda_redirect_paused() if in_trainer_thread else contextlib.nullcontext():
             samples = engine.generate(requests)
         return [TurnOutput(s.response_ids, s.logprobs, s.finish_reason, s.weight_version,
