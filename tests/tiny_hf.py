@@ -9,18 +9,26 @@ VOCAB_SIZE = 300
 PAD_ID, EOS_ID = 0, 1
 
 
-def char_tokenizer():
-    """A PreTrainedTokenizerFast whose tokens are single characters (ids 2..299) plus <pad>, <eos>."""
+def char_tokenizer(whitespace: bool = False):
+    """A PreTrainedTokenizerFast whose tokens are single characters (ids 2..299) plus <pad>, <eos>.
+
+    Printable ASCII without space (ids 2..95), then Cyrillic letters. With `whitespace`, the last two
+    ids (298, 299) spell " " and "\\n" instead of two Cyrillic letters (every other id is unchanged):
+    for text such as "#### 42" or a tool's printed output; without it those characters are dropped."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     chars = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(0x400, 0x400 + VOCAB_SIZE - 2 - 94)]
+    if whitespace:
+        chars = chars[:-2] + [" ", "\n"]
     vocab = {"<pad>": PAD_ID, "<eos>": EOS_ID}
     vocab.update({ch: i + 2 for i, ch in enumerate(chars)})
     assert len(vocab) == VOCAB_SIZE
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+    # no clean-up on decode: it would drop the space before "." or "," that a model generated
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                   **({"clean_up_tokenization_spaces": False} if whitespace else {}))
 
 
 def tiny_qwen3_config(tie_word_embeddings: bool = False):
