@@ -126,3 +126,15 @@ def test_bench_async_compares_sync_and_async_runs(tmp_path):
         assert r["samples_to_target"] == 5 * 32 * 16 and r["tokens_per_s"] > 0 and r["peak_rss_mib"] > 50
     assert results["sync"]["staleness_mean"] == 0 and 0 < results["async K=1"]["staleness_mean"] <= 1
     assert "| async K=1 | 1 |" in proc.stdout and (tmp_path / "async_reward_curves.png").stat().st_size > 0
+
+
+def test_bench_multi_turn_quick_runs_both_modes_on_the_same_tokens(tmp_path):
+    out = tmp_path / "multi_turn.json"
+    proc = _run(str(BENCH / "bench_multi_turn.py"), "--quick", "--json", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "speedup" in proc.stdout
+    for result in json.loads(out.read_text())["results"]:
+        kept, reprefill = result["kept"], result["reprefill"]
+        assert kept["trajectory_tokens"] == reprefill["trajectory_tokens"] > 0
+        # keeping the KV means later turns prefill only their new ids
+        assert 0 < kept["prefill_positions"] < reprefill["prefill_positions"]

@@ -10,7 +10,7 @@ Kept entries are dropped when used, when the weights change (their KV was comput
 ones), and oldest first beyond a byte budget."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -22,10 +22,11 @@ class KeptPrefix:
 
     ids: tuple[int, ...]
     layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    nbytes: int = field(init=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+    def __post_init__(self) -> None:
+        # counted once: the budget reads it on every keep and drop
+        object.__setattr__(self, "nbytes", sum(t.numel() * t.element_size() for kv in self.layers for t in kv))
 
 
 class KeptPrefixes:

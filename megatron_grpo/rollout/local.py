@@ -325,7 +325,7 @@ class LocalEngine(RolloutEngine):
         """Keeps the KV of the finished rows at `positions` whose requests asked for it (keep_kv).
         A row's KV covers its prompt and all of its response but the last id (never fed back); the
         mask's first that many ones are its columns (a finished row still in the batch fed more)."""
-        wanted = [i for i in positions if batch[i].finish == "stop" and requests[batch[i].request_index].keep_kv]
+        wanted = [i for i in positions if batch[i].finish != "abort" and requests[batch[i].request_index].keep_kv]
         if not wanted or self._recorder is not None or any(getattr(cache, "is_sliding", None) or ()):
             return
         layers = [(kv[0], kv[1]) for kv in cache]
