@@ -14,8 +14,6 @@ import torch
 from megatron_grpo.testing.distributed import run_distributed
 from tests.sglang_harness.fixtures import launch_servers, server_settings, sglang_python
 
-pytestmark = pytest.mark.slow  # starts an SGLang test server
-
 RECIPE = "recipes/tiny_cpu_tool.yaml"
 STEPS = 2
 # Each turn ends at its first digit: a fresh model emits <|im_end|> within a 6-token turn so rarely
@@ -147,6 +145,7 @@ def model_info(url):
         return json.load(response)
 
 
+@pytest.mark.slow  # starts an SGLang test server
 def test_lookup_recipe_trains_through_sglang(tmp_path, recipe_model, server):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -208,6 +207,7 @@ def test_lookup_recipe_trains_through_sglang(tmp_path, recipe_model, server):
     assert model_info(url)["weight_version"] == str(STEPS)
 
 
+@pytest.mark.slow
 def test_greedy_lookup_trajectories_equal_the_local_engines(tmp_path, recipe_model, server):
     """top_k=1: both engines take the argmax (their samplers differ, so seeded sampling is not
     comparable); step 1's trajectories, rewards and multi-turn metrics are the same."""
@@ -227,3 +227,17 @@ def test_greedy_lookup_trajectories_equal_the_local_engines(tmp_path, recipe_mod
                                    atol=64 * torch.finfo(torch.float32).eps * length, rtol=0)
     names = [k for k in local["records"][0] if k.startswith(("multi_turn/", "reward/"))]
     assert names and {k: sglang["records"][0][k] for k in names} == {k: local["records"][0][k] for k in names}
+
+
+def test_asynchronous_multi_turn_on_sglang_is_refused():
+    """A turn a weight update aborts is resubmitted by (group, sample index), which the n episodes of
+    one prompt share (each turn is an n=1 request): they would all get one episode's continuation."""
+    from megatron_grpo.config import load_config, validate
+    from megatron_grpo.errors import ConfigError
+
+    asynchronous = ["rollout.engine=sglang", "rollout.sglang.urls=[http://127.0.0.1:1]",
+                    "rollout.sglang.weight_sync=distributed", "rollout.max_staleness=1"]
+    with pytest.raises(ConfigError, match="max_staleness > 0 with rollout.multi_turn and rollout.engine=sglang"):
+        validate(load_config(RECIPE, asynchronous), world_size=1)
+    validate(load_config(RECIPE, asynchronous[:3]), world_size=1)  # synchronous: fine
+    validate(load_config(RECIPE, ["rollout.max_staleness=1", "rollout.local.process=true"]), world_size=1)
