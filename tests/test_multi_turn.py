@@ -323,7 +323,6 @@ def test_trainer_logprobs_equal_the_engines_over_multi_turn_trajectories(tmp_pat
     (["rollout.multi_turn.turn_reward=discounted", "rollout.multi_turn.discount=0"], "discount=0.0 must be in (0, 1]"),
     (["rollout.multi_turn.discount=0.9"], "has no effect with turn_reward=sum"),
     (["rollout.multi_turn.environment=a:b:"], "expected a built-in name"),
-    (["eval.interval=5"], "eval runs single-turn rollouts"),
     (["rollout.multi_turn.environment=null"], "environment_kwargs is set but rollout.multi_turn.environment is not"),
 ])
 def test_multi_turn_config_errors(overrides, message):

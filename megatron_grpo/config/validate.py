@@ -346,10 +346,6 @@ def _multi_turn(c: Config, out: list[str]) -> None:
         out.append(f"{key}.discount={m.discount} must be in (0, 1]")
     if m.turn_reward == "sum" and m.discount != 1.0:
         out.append(f"{key}.discount={m.discount} has no effect with turn_reward=sum; set turn_reward=discounted")
-    # not yet multi-turn: eval and routing replay run single-turn rollouts
-    if c.eval.interval != -1 or c.eval.before_train:
-        out.append(f"{key}.environment is set but eval runs single-turn rollouts: set eval.interval=-1 and "
-                   "eval.before_train=false")
     if c.actor.moe_routing_replay:
         out.append(f"{key}.environment with actor.moe_routing_replay=true is not supported (the routes of "
                    "observation tokens are not recorded)")

@@ -1,11 +1,13 @@
-"""Eval on the validation prompts: pass@1 (greedy or sampled) and pass@k (unbiased estimator)."""
+"""Eval on the validation prompts: pass@1 (greedy or sampled) and pass@k (unbiased estimator).
+With an environment (rollout.multi_turn) every sample is an episode, as in training."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from megatron_grpo.launch.cpu import cuda_redirect_paused
 from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
-from megatron_grpo.trainer.rollout_phase import reward_request
+from megatron_grpo.trainer.rollout_phase import multi_turn_settings, multi_turn_stats, reward_request, run_multi_turn
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -18,8 +20,8 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
 
 
 def evaluate(run) -> dict[str, float]:
-    """Rank 0: generates for every eval prompt and scores; a response is correct when its
-    reward is >= 1 (full credit)."""
+    """Rank 0: generates for every eval prompt and scores; a response (or trajectory) is correct
+    when its reward is >= 1 (full credit)."""
     cfg = run.config
     if not run.eval_prompts:
         return {}
@@ -29,16 +31,26 @@ def evaluate(run) -> dict[str, float]:
                               stop=tuple(cfg.rollout.stop), stop_token_ids=tuple(cfg.rollout.stop_token_ids),
                               seed=cfg.trainer.seed)
     prompts = run.eval_prompts
-    requests = [GenerationRequest(prompt_ids=p.input_ids, sampling=sampling, group_id=str(i))
-                for i, p in enumerate(prompts)]
-    with cuda_redirect_paused():
-        samples = run.engine.generate(requests)
-    # the same request as in training (data_source in `extra`), so a reward scores eval rows alike
-    result = run.rewards.score([reward_request(s, prompts[int(s.group_id)], run.tokenizer) for s in samples])
+    multi_turn = multi_turn_settings(cfg)
+    if multi_turn is not None:  # episodes, as in training; a trajectory's reward is its environment's
+        trajectories, samples = run_multi_turn(run.engine, prompts, run.tokenizer, multi_turn,
+                                               dataclasses.replace(sampling, n=1), e.n_samples, "eval",
+                                               seed_of=lambda group: cfg.trainer.seed * 1_000_003 + group)
+        scores = [t.reward(multi_turn.limits) for t in trajectories]
+        metrics = {f"eval/{name}": value for name, value in multi_turn_stats(trajectories).items()}
+    else:
+        requests = [GenerationRequest(prompt_ids=p.input_ids, sampling=sampling, group_id=str(i))
+                    for i, p in enumerate(prompts)]
+        with cuda_redirect_paused():
+            samples = run.engine.generate(requests)
+        # the same request as in training (data_source in `extra`), so a reward scores eval rows alike
+        scores = run.rewards.score([reward_request(s, prompts[int(s.group_id)], run.tokenizer)
+                                    for s in samples]).scores
+        metrics = {}
     correct: dict[str, int] = {}
-    for sample, score in zip(samples, result.scores):
+    for sample, score in zip(samples, scores):
         correct[sample.group_id] = correct.get(sample.group_id, 0) + (score >= 1.0)
-    metrics = {"eval/reward_mean": sum(result.scores) / len(result.scores)}
+    metrics["eval/reward_mean"] = sum(scores) / len(scores)
     for k in sorted(set([1, *e.pass_k])):
         if k <= e.n_samples:
             metrics[f"eval/pass@{k}"] = sum(pass_at_k(e.n_samples, c, k) for c in correct.values()) / len(correct)

@@ -165,10 +165,24 @@ def _single_turn_round(engine, prompts, tokenizer, rewards, settings, step, roun
 def _multi_turn_round(engine, prompts, tokenizer, settings, step, rounds, timings, in_trainer_thread):
     """n episodes per prompt against fresh environments (environments/episodes.py); the trajectory's
     reward is its environment's per-turn rewards combined: (samples, scores, masks, metrics)."""
+    start = time.perf_counter()
+    trajectories, samples = run_multi_turn(engine, prompts, tokenizer, settings.multi_turn, settings.sampling,
+                                           settings.n, f"{step}:{rounds}", seed_of=lambda group: _seeded(
+                                               settings.sampling, step, rounds, group).seed,
+                                           in_trainer_thread=in_trainer_thread)
+    timings["time/rollout"] += time.perf_counter() - start
+    scores = [t.reward(settings.multi_turn.limits) for t in trajectories]
+    return samples, scores, [t.response_mask for t in trajectories], multi_turn_stats(trajectories)
+
+
+def run_multi_turn(engine, prompts, tokenizer, mt: MultiTurnSettings, sampling: SamplingParams, n: int,
+                   group_prefix: str, seed_of, in_trainer_thread: bool = True):
+    """n episodes per prompt against fresh environments, every turn one batched generate call with
+    `sampling` (its max_new_tokens: the turn's budget; turn t of sample i of prompt group g seeded
+    from seed_of(g), i and t): (trajectories, one Sample per trajectory, group ids group_prefix:g)."""
     from megatron_grpo.environments.episodes import ChatRenderer, TurnOutput, run_episodes
     from megatron_grpo.environments.loader import build_environment
 
-    mt, n = settings.multi_turn, settings.n
     records = [p.record for p in prompts for _ in range(n)]
     environments = [build_environment(mt.environment, mt.environment_kwargs) for _ in records]
 
@@ -176,29 +190,27 @@ def _multi_turn_round(engine, prompts, tokenizer, settings, step, rounds, timing
         requests = []
         for turn in turns:
             group, index = divmod(turn.episode, n)
-            seed = derive_sample_seed(_seeded(settings.sampling, step, rounds, group).seed, index)
-            sampling = dataclasses.replace(settings.sampling, n=1, max_new_tokens=turn.max_new_tokens,
-                                           seed=(seed + turn.turn * 1_000_033) % (2**63 - 1))
-            requests.append(GenerationRequest(prompt_ids=turn.ids, sampling=sampling, group_id=f"{step}:{rounds}:{group}",
+            seed = derive_sample_seed(seed_of(group), index)
+            turn_sampling = dataclasses.replace(sampling, n=1, max_new_tokens=turn.max_new_tokens,
+                                                seed=(seed + turn.turn * 1_000_033) % (2**63 - 1))
+            requests.append(GenerationRequest(prompt_ids=turn.ids, sampling=turn_sampling,
+                                              group_id=f"{group_prefix}:{group}",
                                               keep_kv=turn.turn + 1 < mt.limits.max_turns))
         with cuda_redirect_paused() if in_trainer_thread else contextlib.nullcontext():
             samples = engine.generate(requests)
         return [TurnOutput(s.response_ids, s.logprobs, s.finish_reason, s.weight_version,
                            stopped_by_token=not isinstance(s.matched_stop, str)) for s in samples]
 
-    start = time.perf_counter()
     trajectories = run_episodes(records, environments, ChatRenderer(tokenizer, mt.chat_template), mt.limits,
                                 generate, env_name=mt.environment)
-    timings["time/rollout"] += time.perf_counter() - start
-    samples = [Sample(group_id=f"{step}:{rounds}:{e // n}", sample_index=e % n, prompt_ids=t.prompt_ids,
+    samples = [Sample(group_id=f"{group_prefix}:{e // n}", sample_index=e % n, prompt_ids=t.prompt_ids,
                       response_ids=t.response_ids, logprobs=t.logprobs,
                       finish_reason="abort" if t.end == "abort" else
                       "length" if t.end in ("turn_length", "max_length") else "stop",
                       # a trajectory is as stale as its oldest turn
                       weight_version=min(t.weight_versions, default=engine.weight_version))
                for e, t in enumerate(trajectories)]
-    scores = [t.reward(mt.limits) for t in trajectories]
-    return samples, scores, [t.response_mask for t in trajectories], multi_turn_stats(trajectories)
+    return trajectories, samples
 
 
 def multi_turn_stats(trajectories) -> dict[str, float]:
