@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass
+from itertools import groupby
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from megatron_grpo.algo import AdvantageConfig
 from megatron_grpo.data.prompts import EncodedPrompt
 from megatron_grpo.data.records import PromptRecord
 from megatron_grpo.environments.episodes import EpisodeLimits
-from megatron_grpo.environments.sandbox import SandboxLimits, run_python
+from megatron_grpo.environments.python_tool import PythonToolEnvironment
+from megatron_grpo.environments.sandbox import run_python
 from megatron_grpo.rollout.local import LocalEngine
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.testing.floats import tolerance
@@ -42,28 +44,30 @@ def tool_call(code: str) -> str:
 
 @dataclass(frozen=True)
 class Episode:
-    """A question and the assistant turns the model is fitted to produce: tool calls, then "#### N"."""
+    """A question, the code of each tool call the model is fitted to make before it answers, and
+    what each call's observation must show (what Python prints for that code)."""
 
     question: str
     answer: str
-    turns: tuple[str, ...]
+    codes: tuple[str, ...]
+    printed: tuple[str, ...]
 
     @property
-    def codes(self) -> list[str]:
-        return [json.loads(t.split("\n")[1])["arguments"]["code"] for t in self.turns[:-1]]
+    def turns(self) -> list[str]:
+        return [tool_call(code) for code in self.codes] + [f"#### {self.answer}"]
 
 
 EPISODES = (
-    Episode("6*7=?", "42", (tool_call("print(6*7)"), "#### 42")),
+    Episode("6*7=?", "42", codes=("print(6*7)",), printed=("\n42\n",)),
     # the first call's code does not compile: the error comes back, the model fixes the call
-    Episode("9-2=?", "7", (tool_call("print(9-2"), tool_call("print(9-2)"), "#### 7")),
+    Episode("9-2=?", "7", codes=("print(9-2", "print(9-2)"), printed=("\nerror\nSyntaxError: ", "\n7\n")),
 )
 
 
 def conversation(episode: Episode) -> list[dict]:
     """The whole conversation: the observations are what the sandbox prints for each call."""
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": episode.question}]
-    limits = SandboxLimits(timeout_s=10.0, cpu_s=5, memory_bytes=512 << 20)
+    limits = PythonToolEnvironment(**ENV_KWARGS).limits
     for turn, code in zip(episode.turns, episode.codes):
         messages += [{"role": "assistant", "content": turn},
                      {"role": "tool", "content": run_python(code, limits).report()}]
@@ -96,7 +100,7 @@ def expected_trajectory(tokenizer, messages) -> tuple[list[int], list[int], list
     return prompt, ids[len(prompt):], mask[len(prompt):]
 
 
-@dataclass
+@dataclass(frozen=True)
 class FittedModel:
     model: torch.nn.Module    # fp32, what the engines serve
     model64: torch.nn.Module  # the same weights in float64: the log-prob reference
@@ -157,7 +161,7 @@ def rollout(engine, tokenizer):
                               ground_truth=episode.answer, extra_info={"index": i})
         text = render(tokenizer, record.prompt, generation_prompt=True)
         prompts.append(EncodedPrompt(record, text, encode(tokenizer, text), False))
-    sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=LIMITS.max_new_tokens_per_turn, seed=5)
+    sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=LIMITS.max_new_tokens_per_turn)
     settings = RolloutSettings(n=1, sampling=sampling, adv_estimator="grpo", advantage_config=AdvantageConfig(),
                                multi_turn=MultiTurnSettings("python_gsm8k", dict(ENV_KWARGS), LIMITS,
                                                             chat_template=TEMPLATE))
@@ -165,37 +169,28 @@ def rollout(engine, tokenizer):
                                  num_prompts=len(prompts), in_trainer_thread=False)
 
 
-def masked_runs(sample, tokenizer) -> list[str]:
-    """The decoded observation (mask False) stretches of a trajectory's response, in order."""
-    runs, current = [], []
-    for token, generated in zip(sample.response_ids, sample.response_mask):
-        if generated and current:
-            runs.append(current)
-            current = []
-        elif not generated:
-            current.append(token)
-    return [tokenizer.decode(r, skip_special_tokens=False) for r in runs + ([current] if current else [])]
+def observation_texts(sample, tokenizer) -> list[str]:
+    """The stretches of a trajectory's response the engine did not generate (mask False), decoded."""
+    runs = groupby(zip(sample.response_ids, sample.response_mask), key=lambda pair: pair[1])
+    return [tokenizer.decode([token for token, _ in run], skip_special_tokens=False)
+            for generated, run in runs if not generated]
 
 
 def check_python_tool_batch(batch, fitted: FittedModel) -> None:
     tokenizer = fitted.tokenizer
-    metrics = batch.metrics
-    # three calls ran in the sandbox (one per episode + the corrected one), one of them failed
-    assert metrics["multi_turn/tool_calls"] == 3.0 and metrics["multi_turn/tool_call_errors"] == 0.0
-    assert metrics["multi_turn/sandbox_error"] == 1.0 and "multi_turn/template_mismatch" not in metrics
-    assert metrics["multi_turn/end_done_frac"] == 1.0 and metrics["multi_turn/turns_mean"] == 2.5
-    assert metrics["reward/min"] == metrics["reward/max"] == 1.0  # both final answers scored correct
     for sample, episode, messages in zip(batch.samples, EPISODES, fitted.conversations):
+        # the sandbox's output is in the trajectory, wrapped by the template, after every call (the
+        # failing one's error too, and the episode went on to the corrected call)
+        observations = observation_texts(sample, tokenizer)
+        assert len(observations) == len(episode.printed) and all(
+            o.startswith("\n[user]\n<tool_response>\n") and printed in o and
+            o.endswith("</tool_response><eos>\n[assistant]\n")
+            for o, printed in zip(observations, episode.printed)), observations
         # ids and mask are the whole conversation rendered at once, masked off on every id the
         # engine did not generate (the observations and the template around them)
         prompt, response, mask = expected_trajectory(tokenizer, messages)
         assert (sample.prompt_ids, sample.response_ids) == (prompt, response)
         assert sample.response_mask == mask
-        observations = masked_runs(sample, tokenizer)
-        assert len(observations) == len(episode.codes)
-        assert all(o.startswith("\n[user]\n<tool_response>\n") and o.endswith("</tool_response><eos>\n[assistant]\n")
-                   for o in observations)
-        assert f"\n{episode.answer}\n" in observations[-1]  # what the last call printed: the answer
         # the engine's log-probs of generated ids: one float64 forward over the whole trajectory
         expected = float64_logprobs(fitted.model64, sample.prompt_ids, sample.response_ids)
         got = torch.tensor(sample.rollout_logprobs, dtype=torch.float64)
@@ -203,8 +198,12 @@ def check_python_tool_batch(batch, fitted: FittedModel) -> None:
         assert torch.all(got[~generated] == 0)
         torch.testing.assert_close(got[generated], expected[generated], rtol=0,
                                    atol=logprob_tolerance(fitted.model64, sample.prompt_ids + sample.response_ids))
-    failed = masked_runs(batch.samples[1], tokenizer)[0]
-    assert "\nerror\nSyntaxError: " in failed  # what the failing call printed, then the episode went on
+    metrics = batch.metrics
+    # three calls ran in the sandbox (one per episode + the corrected one), one of them failed
+    assert metrics["multi_turn/tool_calls"] == 3.0 and metrics["multi_turn/tool_call_errors"] == 0.0
+    assert metrics["multi_turn/sandbox_error"] == 1.0 and "multi_turn/template_mismatch" not in metrics
+    assert metrics["multi_turn/end_done_frac"] == 1.0 and metrics["multi_turn/turns_mean"] == 2.5
+    assert metrics["reward/min"] == metrics["reward/max"] == 1.0  # both final answers scored correct
 
 
 @pytest.fixture(scope="module")
@@ -233,8 +232,10 @@ def test_sglang_runs_the_python_tool_like_the_local_engine(fitted, local_batch, 
         client = SGLangClient([settings.url])
         engine = SGLangEngine(client, DiskTransport(client, [EngineTarget(settings.url)], "/nonexistent"),
                               options=EngineOptions(health_check_interval_s=0))
-        batch = rollout(engine, fitted.tokenizer)
-        engine.close()
+        try:
+            batch = rollout(engine, fitted.tokenizer)
+        finally:
+            engine.close()
     finally:
         launcher.shutdown(grace_s=5)
     check_python_tool_batch(batch, fitted)
