@@ -150,6 +150,7 @@ def test_lookup_recipe_trains_through_sglang(tmp_path, recipe_model, server):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_grpo.config import load_config
+    from megatron_grpo.trainer.prompt_data import SYNTHETIC_EVAL_RECORDS
     from megatron_grpo.trainer.rollout_phase import MULTI_TURN_ENDS
     from tests.tiny_hf import float64_logprobs
 
@@ -162,13 +163,19 @@ def test_lookup_recipe_trains_through_sglang(tmp_path, recipe_model, server):
     episodes = 16 * 8
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
 
-    # The episodes ran through SGLang: the server answered one /generate per turn, no more, no less.
-    turns = [round(r["multi_turn/turns_mean"] * episodes) for r in records]
-    assert served_turns(log) - served_before == sum(turns)
+    # The episodes ran through SGLang: the server answered one /generate per turn, no more, no less,
+    # the training steps' and the recipe's eval (greedy episodes, at the last step) alike.
+    evaluated = [r for r in records if "eval/multi_turn/turns_mean" in r]
+    assert [r["step"] for r in evaluated] == [STEPS]
+    eval_episodes = SYNTHETIC_EVAL_RECORDS * load_config(RECIPE).eval.n_samples
+    turns = [r["multi_turn/turns_mean"] * episodes for r in records]
+    turns.append(evaluated[0]["eval/multi_turn/turns_mean"] * eval_episodes)
+    assert served_turns(log) - served_before == round(sum(turns))
     for record in records:
-        ends = {end: record[f"multi_turn/end_{end}_frac"] for end in MULTI_TURN_ENDS}
-        assert sum(ends.values()) == pytest.approx(1.0, abs=1e-12)
-        assert ends["abort"] == ends["step_timeout"] == 0.0, ends
+        for prefix in ("", "eval/") if "eval/multi_turn/turns_mean" in record else ("",):
+            ends = {end: record[f"{prefix}multi_turn/end_{end}_frac"] for end in MULTI_TURN_ENDS}
+            assert sum(ends.values()) == pytest.approx(1.0, abs=1e-12)
+            assert ends["abort"] == ends["step_timeout"] == 0.0, ends
 
     # Step 1's trajectories are the lookup environment's conversations (replayed turn by turn), some
     # with a tool call and its reply; the metrics count what they hold.
@@ -210,7 +217,8 @@ def test_lookup_recipe_trains_through_sglang(tmp_path, recipe_model, server):
 @pytest.mark.slow
 def test_greedy_lookup_trajectories_equal_the_local_engines(tmp_path, recipe_model, server):
     """top_k=1: both engines take the argmax (their samplers differ, so seeded sampling is not
-    comparable); step 1's trajectories, rewards and multi-turn metrics are the same."""
+    comparable); step 1's trajectories, rewards and multi-turn metrics are the same, and so are the
+    recipe's greedy eval episodes after it."""
     url, _ = server
     common = ["trainer.total_steps=1", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16", "rollout.n=2",
               "rollout.top_k=1"]
@@ -225,7 +233,9 @@ def test_greedy_lookup_trajectories_equal_the_local_engines(tmp_path, recipe_mod
         length = len(a["prompt_ids"]) + len(a["response_ids"])
         torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]),
                                    atol=64 * torch.finfo(torch.float32).eps * length, rtol=0)
-    names = [k for k in local["records"][0] if k.startswith(("multi_turn/", "reward/"))]
+    # and so are the recipe's greedy eval episodes (after the step: the same weights on both engines)
+    names = [k for k in local["records"][0] if k.startswith(("multi_turn/", "reward/", "eval/"))]
+    assert "eval/multi_turn/turns_mean" in names
     assert names and {k: sglang["records"][0][k] for k in names} == {k: local["records"][0][k] for k in names}
 
 
