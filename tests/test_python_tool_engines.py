@@ -150,7 +150,14 @@ def fit(tokenizer, conversations, max_steps: int = 400, lr: float = 1e-2, margin
 def fitted() -> FittedModel:
     tokenizer = char_tokenizer(whitespace=True)
     conversations = [conversation(e) for e in EPISODES]
-    model = fit(tokenizer, conversations)
+    # one thread: the tiny model's matmuls gain nothing from a second, which on shared cores mostly
+    # waits for the first (measured: 4 s with one thread, 7-26 s with two on 2 busy cores)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = fit(tokenizer, conversations)
+    finally:
+        torch.set_num_threads(threads)
     return FittedModel(model, copy.deepcopy(model).double(), tokenizer, conversations)
 
 
