@@ -204,7 +204,7 @@ def test_lookup_recipe_trains_through_sglang(tmp_path, recipe_model, server):
     # two fp32 implementations (SGLang's stand-in runs HF's model, the trainer megatron's): a few ulp
     # of log-probs up to ~10 in size
     assert first["actor/logprob_abs_diff_max"] <= 64 * torch.finfo(torch.float32).eps * 10
-    assert first["actor/ratio_max_abs_dev"] == 0.0
+    assert first["actor/ratio_max_abs_dev"] == 0.0  # the first update's ratio: exactly 1 on its own samples
 
     # Every step sampled with the weights of the step before (the version SGLang stamped on each
     # turn), and the last sync reached the server too.
@@ -218,7 +218,8 @@ def test_lookup_recipe_trains_through_sglang(tmp_path, recipe_model, server):
 def test_greedy_lookup_trajectories_equal_the_local_engines(tmp_path, recipe_model, server):
     """top_k=1: both engines take the argmax (their samplers differ, so seeded sampling is not
     comparable); step 1's trajectories, rewards and multi-turn metrics are the same, and so are the
-    recipe's greedy eval episodes after it."""
+    recipe's greedy eval episodes after it. (The fresh model's argmax turns are "\\n" x 6, no call:
+    greedy episodes with calls are compared in test_multi_turn_sglang.py, test_python_tool_engines.py.)"""
     url, _ = server
     common = ["trainer.total_steps=1", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16", "rollout.n=2",
               "rollout.top_k=1"]
@@ -236,7 +237,7 @@ def test_greedy_lookup_trajectories_equal_the_local_engines(tmp_path, recipe_mod
     # and so are the recipe's greedy eval episodes (after the step: the same weights on both engines)
     names = [k for k in local["records"][0] if k.startswith(("multi_turn/", "reward/", "eval/"))]
     assert "eval/multi_turn/turns_mean" in names
-    assert names and {k: sglang["records"][0][k] for k in names} == {k: local["records"][0][k] for k in names}
+    assert {k: sglang["records"][0][k] for k in names} == {k: local["records"][0][k] for k in names}
 
 
 def test_asynchronous_multi_turn_on_sglang_is_refused():
