@@ -193,8 +193,10 @@ def run_multi_turn(engine, prompts, tokenizer, mt: MultiTurnSettings, sampling: 
             seed = derive_sample_seed(seed_of(group), index)
             turn_sampling = dataclasses.replace(sampling, n=1, max_new_tokens=turn.max_new_tokens,
                                                 seed=(seed + turn.turn * 1_000_033) % (2**63 - 1))
+            # one group per episode: an engine that resubmits aborted requests (SGLang under
+            # max_staleness) matches them by (group_id, sample_index), and every turn request has n=1
             requests.append(GenerationRequest(prompt_ids=turn.ids, sampling=turn_sampling,
-                                              group_id=f"{group_prefix}:{group}",
+                                              group_id=f"{group_prefix}:{group}:{index}",
                                               keep_kv=turn.turn + 1 < mt.limits.max_turns))
         with cuda_redirect_paused() if in_trainer_thread else contextlib.nullcontext():
             samples = engine.generate(requests)
