@@ -240,15 +240,11 @@ def test_greedy_lookup_trajectories_equal_the_local_engines(tmp_path, recipe_mod
     assert {k: sglang["records"][0][k] for k in names} == {k: local["records"][0][k] for k in names}
 
 
-def test_asynchronous_multi_turn_on_sglang_is_refused():
-    """A turn a weight update aborts is resubmitted by (group, sample index), which the n episodes of
-    one prompt share (each turn is an n=1 request): they would all get one episode's continuation."""
+def test_asynchronous_multi_turn_on_sglang_validates():
+    """A turn a weight update aborts is resubmitted and matched back by position
+    (tests/test_sglang.py::test_async_generate_resubmits_groups_a_weight_update_aborted), and each
+    episode's turns are a request group of their own: asynchronous multi-turn runs on SGLang."""
     from megatron_grpo.config import load_config, validate
-    from megatron_grpo.errors import ConfigError
 
-    asynchronous = ["rollout.engine=sglang", "rollout.sglang.urls=[http://127.0.0.1:1]",
-                    "rollout.sglang.weight_sync=distributed", "rollout.max_staleness=1"]
-    with pytest.raises(ConfigError, match="max_staleness > 0 with rollout.multi_turn and rollout.engine=sglang"):
-        validate(load_config(RECIPE, asynchronous), world_size=1)
-    validate(load_config(RECIPE, asynchronous[:3]), world_size=1)  # synchronous: fine
-    validate(load_config(RECIPE, ["rollout.max_staleness=1", "rollout.local.process=true"]), world_size=1)
+    validate(load_config(RECIPE, ["rollout.engine=sglang", "rollout.sglang.urls=[http://127.0.0.1:1]",
+                                  "rollout.sglang.weight_sync=distributed", "rollout.max_staleness=1"]), world_size=1)

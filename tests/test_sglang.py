@@ -403,7 +403,8 @@ def test_update_aborts_running_generation_then_resumes(servers):
 def test_async_generate_resubmits_groups_a_weight_update_aborted(servers):
     """With resubmit_aborted (asynchronous GRPO), a group aborted by a weight update mid-generation
     is sent again: SGLang holds it until generation continues, so it comes back whole, from the new
-    weights; a group that finished before the update keeps its old version."""
+    weights; a group that finished before the update keeps its old version. Two requests of one
+    group (an episode's turns share none, but a caller may) each get their own continuation back."""
     url = servers["det"]
     client = SGLangClient([url])
     engine = SGLangEngine(client, TensorTransport(client, EngineTarget(url)), generate_client=SGLangClient([url]),
@@ -412,7 +413,8 @@ def test_async_generate_resubmits_groups_a_weight_update_aborted(servers):
     # enough to generate twice
     long = SamplingParams(max_new_tokens=5000, ignore_eos=True, seed=1)
     batch = [GenerationRequest((5, 6), long, group_id="long"),
-             GenerationRequest((5, 6), SamplingParams(max_new_tokens=3, seed=1), group_id="short")]
+             GenerationRequest((5, 6), SamplingParams(max_new_tokens=3, seed=1), group_id="short"),
+             GenerationRequest((7, 8, 9), long, group_id="long")]
     result = {}
     runner = threading.Thread(target=lambda: result.update(out=engine.generate(batch)))
     runner.start()
@@ -420,9 +422,11 @@ def test_async_generate_resubmits_groups_a_weight_update_aborted(servers):
     model = tiny_model(seed=9, scale=3.0)
     engine.update_weights(hf_stream(model), version=16)
     runner.join(timeout=300)
-    long_sample, short_sample = result["out"]
-    assert (long_sample.finish_reason, len(long_sample.response_ids)) == ("length", 5000)
-    assert long_sample.weight_version == 16 and engine.resubmitted_groups == 1
+    long_sample, short_sample, other_long = result["out"]
+    for sample, prompt in ((long_sample, [5, 6]), (other_long, [7, 8, 9])):
+        assert (sample.finish_reason, len(sample.response_ids), sample.prompt_ids) == ("length", 5000, prompt)
+        assert sample.weight_version == 16
+    assert engine.resubmitted_groups == 1
     assert short_sample.finish_reason == "length" and short_sample.weight_version != 16
     assert_engine_holds(url, model, 16)
 

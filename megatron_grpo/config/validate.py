@@ -180,12 +180,6 @@ def _asynchronous(c: Config, out: list[str]) -> None:
     if r.max_staleness > 0 and r.engine == "sglang" and r.sglang.weight_sync == "tensor":
         out.append("rollout.max_staleness > 0 with rollout.sglang.weight_sync=tensor: colocated engines give the GPU "
                    "to training, so they cannot generate during it; use weight_sync=distributed")
-    if r.max_staleness > 0 and r.engine == "sglang" and r.multi_turn.environment is not None:
-        # SGLangEngine.generate matches resubmitted samples by (group_id, sample_index); a turn's
-        # requests are n=1 each, so the n episodes of a prompt share one key.
-        out.append("rollout.max_staleness > 0 with rollout.multi_turn and rollout.engine=sglang: a turn aborted by "
-                   "a weight update is resubmitted, and the episodes of one prompt would all get one episode's "
-                   "continuation; use max_staleness=0 (synchronous) or the local engine")
     if r.weight_sync_route == "per_stage":
         if r.engine == "local" and (in_process or (r.local.process is None and r.max_staleness == 0)):
             out.append("rollout.weight_sync_route=per_stage needs the local engine in its own process "

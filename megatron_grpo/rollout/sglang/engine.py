@@ -83,15 +83,25 @@ class SGLangEngine(RolloutEngine):
         samples = self.generate_client.generate(requests)
         if not self.options.resubmit_aborted:
             return samples
+        # samples come back in request order, n per request: a request's are samples[start:start + n]
+        # (matched by position, not group id: requests may share one, e.g. an episode's turns)
+        starts = [0]
+        for r in requests:
+            starts.append(starts[-1] + r.sampling.n)
         for _ in range(self.options.max_resubmits):
-            aborted = {s.group_id for s in samples if s.finish_reason == "abort"}
-            if not aborted or self._stopping:  # abort() asked for them: they stay aborted
+            again = [i for i, r in enumerate(requests)
+                     if any(s.finish_reason == "abort" for s in samples[starts[i]:starts[i + 1]])]
+            if not again or self._stopping:  # abort() asked for them: they stay aborted
                 break
-            again = [r for r in requests if r.group_id in aborted]
-            log.info("resubmitting %d group(s) aborted by a weight update", len(again))
-            self.resubmitted_groups += len(again)
-            fresh = {(s.group_id, s.sample_index): s for s in self.generate_client.generate(again)}
-            samples = [fresh.get((s.group_id, s.sample_index), s) for s in samples]
+            log.info("resubmitting %d request(s) aborted by a weight update", len(again))
+            self.resubmitted_groups += len({requests[i].group_id for i in again})
+            fresh = self.generate_client.generate([requests[i] for i in again])
+            samples = list(samples)
+            offset = 0
+            for i in again:
+                n = requests[i].sampling.n
+                samples[starts[i]:starts[i + 1]] = fresh[offset:offset + n]
+                offset += n
         return samples
 
     def abort(self) -> None:
