@@ -135,6 +135,31 @@ def test_incremental_rendering_equals_the_whole_conversation(tokenizer, template
     assert trajectory.counters == {} and trajectory.end == "done" and env.seen == turns
 
 
+def test_a_turn_ended_by_a_stop_string_gets_the_whole_closing_and_no_mismatch(tokenizer):
+    """A stop string ("1") ends the first turn without <|im_end|>: the observation ids start with
+    the template's whole closing, the trajectory equals the conversation rendered at once, and
+    nothing is counted as a template mismatch."""
+    turns = [(":31", False), ("203", True)]  # (text, ended by the <|im_end|> token)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def generate(requests):
+        out = []
+        for r in requests:
+            text, by_token = turns[r.turn]
+            ids = encode(tokenizer, text) + ([eos] if by_token else [])
+            out.append(TurnOutput(ids, [-0.1] * len(ids), "stop", weight_version=0, stopped_by_token=by_token))
+        return out
+
+    env = ScriptedEnvironment([([{"role": "user", "content": "203"}], None, False), ([], 1.0, True)])
+    [t] = run_episodes([record()], [env], ChatRenderer(tokenizer), LIMITS, generate)
+    conversation = [{"role": "user", "content": "31"}, {"role": "assistant", "content": ":31"},
+                    {"role": "user", "content": "203"}, {"role": "assistant", "content": "203"}]
+    whole = encode(tokenizer, ChatRenderer(tokenizer).render(conversation, generation_prompt=False))
+    assert t.prompt_ids + t.response_ids == whole[:-1]
+    assert t.response_mask.count(True) == len(encode(tokenizer, ":31")) + len(encode(tokenizer, "203")) + 1
+    assert t.counters == {} and env.seen == [":31", "203"]
+
+
 def test_a_template_that_rewrites_history_keeps_the_engine_ids(tokenizer):
     """The template drops "1." from the earlier turn: the trajectory keeps the engine's ids, the
     observation is rendered after a neutral conversation, and the mismatch is counted."""

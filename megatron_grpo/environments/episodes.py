@@ -123,9 +123,11 @@ class ChatRenderer:
         before = list(history[:-1])
         closed = self.render(before + [{"role": "assistant", "content": _SENTINEL}], generation_prompt=False)
         closing = closed[closed.rindex(_SENTINEL) + len(_SENTINEL):]
-        # the engine's end-of-turn token (e.g. <|im_end|>) already opens the template's closing
-        end_text = self.tokenizer.decode(list(turn_ids[-1:]), skip_special_tokens=False)
-        consistent = bool(end_text) and closing.startswith(end_text)
+        # what the turn's ids hold after its content (its end-of-turn token, e.g. <|im_end|>; nothing
+        # when a stop string ended it) already opens the template's closing
+        decoded = self.tokenizer.decode(list(turn_ids), skip_special_tokens=False)
+        end_text = decoded[len(turn_text):] if decoded.startswith(turn_text) else None
+        consistent = end_text is not None and closing.startswith(end_text)
         tail = closing[len(end_text):] if consistent else closing
         previous = self.render(history, generation_prompt=False)
         extended = self.render(list(history) + list(observations), generation_prompt=True)
