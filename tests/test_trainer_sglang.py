@@ -102,6 +102,26 @@ def test_trainer_drives_servers_given_by_url(tmp_path, policy_dir, given_servers
     assert [str(_model_info(url)["weight_version"]) for url in urls] == ["3"] * len(urls)  # a string in SGLang
 
 
+def test_servers_given_by_url_get_the_start_weights_whatever_they_loaded(tmp_path, policy_dir):
+    """A fresh server started on policy_dir; the run starts from another checkpoint. The server
+    reports weight version 0 either way, so only a push before step 1 makes step 1 on-policy
+    (without it the engine's log-probs were 0.5 off the trainer's)."""
+    from megatron_grpo.data.synthetic import build_tokenizer
+    from megatron_grpo.models.tiny import save_tiny_hf_model
+
+    other = save_tiny_hf_model("qwen3", tmp_path / "other", seed=1, num_hidden_layers=2)
+    build_tokenizer(other)
+    launcher = launch_servers(tmp_path / "logs", [server_settings(policy_dir)])
+    try:
+        url = launcher.servers[0].url
+        assert str(_model_info(url)["weight_version"]) == "default"  # SGLang's version 0
+        records = run_distributed(_train, 1, (base_overrides(other, tmp_path / "run", 1) + [
+            f"rollout.sglang.urls=[{url}]", "rollout.sglang.weight_sync=disk"],), timeout=600)[0]
+        assert_on_policy_steps(records, 1)
+    finally:
+        launcher.shutdown(grace_s=2)
+
+
 def test_unreachable_server_names_the_url(tmp_path, policy_dir):
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(DistributedChildError, match=url.replace(".", r"\.")):

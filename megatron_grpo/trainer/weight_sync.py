@@ -156,13 +156,18 @@ def _push_stage(run, role, sink, sample, version: int):
 
 def ensure_engine_holds_the_start(run) -> None:
     """A fresh start samples step 1 with the weights the policy starts from (version 0). Engines
-    given by URL may hold something else (another run's weights): then they get the policy."""
+    given by URL may hold something else: another run's weights, or another checkpoint (a server
+    reports version 0 for whatever it was started on), so they always get the policy once."""
     stale = None
     if dist.get_rank() == 0:
         health = run.engine.health()
-        stale = health.weight_version != 0
-        if stale:
+        given_by_url = run.config.rollout.engine == "sglang" and bool(run.config.rollout.sglang.urls)
+        stale = health.weight_version != 0 or given_by_url
+        if health.weight_version != 0:
             log.warning("the rollout engines report weight version %s, not the starting weights: pushing them "
                         "(%s)", health.weight_version, health.detail)
+        elif stale:
+            log.info("rollout.sglang.urls: pushing the starting weights once (version 0 does not say which "
+                     "checkpoint a server was started on)")
     if broadcast_from_rank0(stale):
         sync_weights(run, version=0)
