@@ -3,10 +3,12 @@
 (collect_rollout_batch) on the local engine and on SGLang's own server code (tests/sglang_harness).
 Its code runs in the sandbox, the printed output comes back as masked observation ids, a failing
 call is answered with the error and the episode goes on, the final answer is scored; the engines'
-log-probs equal a float64 recomputation and their greedy trajectories are identical."""
+log-probs equal a float64 recomputation and their greedy trajectories are identical. The real
+trainer (trainer.loop.train) then runs two GRPO steps from the same model on the same questions."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from dataclasses import dataclass
 from itertools import groupby
@@ -183,9 +185,12 @@ def observation_texts(sample, tokenizer) -> list[str]:
             for generated, run in runs if not generated]
 
 
-def check_python_tool_batch(batch, fitted: FittedModel) -> None:
+def check_python_tool_batch(batch, fitted: FittedModel, n: int = 1) -> None:
+    """`batch`: n trajectories per episode of EPISODES, group after group (the rollout's order)."""
     tokenizer = fitted.tokenizer
-    for sample, episode, messages in zip(batch.samples, EPISODES, fitted.conversations):
+    assert len(batch.samples) == n * len(EPISODES)
+    for k, sample in enumerate(batch.samples):
+        episode, messages = EPISODES[k // n], fitted.conversations[k // n]
         # the sandbox's output is in the trajectory, wrapped by the template, after every call (the
         # failing one's error too, and the episode went on to the corrected call)
         observations = observation_texts(sample, tokenizer)
@@ -206,9 +211,9 @@ def check_python_tool_batch(batch, fitted: FittedModel) -> None:
         torch.testing.assert_close(got[generated], expected[generated], rtol=0,
                                    atol=logprob_tolerance(fitted.model64, sample.prompt_ids + sample.response_ids))
     metrics = batch.metrics
-    # three calls ran in the sandbox (one per episode + the corrected one), one of them failed
-    assert metrics["multi_turn/tool_calls"] == 3.0 and metrics["multi_turn/tool_call_errors"] == 0.0
-    assert metrics["multi_turn/sandbox_error"] == 1.0 and "multi_turn/template_mismatch" not in metrics
+    # three calls ran in the sandbox per n episodes (one per episode + the corrected one), one failed
+    assert metrics["multi_turn/tool_calls"] == 3.0 * n and metrics["multi_turn/tool_call_errors"] == 0.0
+    assert metrics["multi_turn/sandbox_error"] == 1.0 * n and "multi_turn/template_mismatch" not in metrics
     assert metrics["multi_turn/end_done_frac"] == 1.0 and metrics["multi_turn/turns_mean"] == 2.5
     assert metrics["reward/min"] == metrics["reward/max"] == 1.0  # both final answers scored correct
 
@@ -250,3 +255,136 @@ def test_sglang_runs_the_python_tool_like_the_local_engine(fitted, local_batch, 
     assert [s.prompt_ids + s.response_ids for s in batch.samples] == \
         [s.prompt_ids + s.response_ids for s in local_batch.samples]
     assert [s.response_mask for s in batch.samples] == [s.response_mask for s in local_batch.samples]
+
+
+# ----- the real trainer -------------------------------------------------------------------------
+SAMPLES_PER_PROMPT = 2
+
+
+def _train_two_steps(rank, world_size, overrides):
+    """trainer.loop.train on the recipe with `overrides`, recording what the metrics do not show:
+    each step's rollout batch, the ids under step 1's loss mask per sample, the token count its
+    loss divides by, and the parameters the engine holds after each weight sync."""
+    from megatron_grpo.config import load_config, validate
+    from megatron_grpo.trainer import loop
+
+    batches, loss_targets, token_counts, engine_weights = [], [], [], []
+    collect, plan, batch_info, sync = (loop.collect_rollout_batch, loop.plan_micro_batches, loop.global_batch_info,
+                                       loop.sync_weights)
+
+    def collect_and_keep(*args, **kwargs):
+        batches.append(collect(*args, **kwargs))
+        return batches[-1]
+
+    def plan_and_read_targets(samples, *args, **kwargs):
+        mini_batches = plan(samples, *args, **kwargs)
+        targets = {}
+        for micro_batch in (mb for mbs in mini_batches for mb in mbs):
+            rows = zip(micro_batch.rows(micro_batch.targets), micro_batch.rows(micro_batch.loss_mask))
+            for index, (row_targets, row_mask) in zip(micro_batch.sample_indices, rows):
+                targets[index] = row_targets[row_mask].tolist()
+        loss_targets.append([targets[i] for i in range(len(samples))])
+        return mini_batches
+
+    def batch_info_and_count(micro_batches, cfg):
+        info = batch_info(micro_batches, cfg)
+        token_counts.append(int(info.num_valid_tokens))
+        return info
+
+    def sync_and_read_engine(run, version):
+        result = sync(run, version=version)
+        engine_weights.append({name: p.detach().clone() for name, p in run.engine.model.named_parameters()})
+        return result
+
+    loop.collect_rollout_batch, loop.plan_micro_batches = collect_and_keep, plan_and_read_targets
+    loop.global_batch_info, loop.sync_weights = batch_info_and_count, sync_and_read_engine
+    cfg = load_config("recipes/tiny_cpu_tool.yaml", overrides)
+    validate(cfg, world_size=world_size)
+    out = loop.train(cfg)
+    with open(out / "metrics.jsonl") as handle:
+        records = [json.loads(line) for line in handle]
+    return {"records": records, "batches": batches, "loss_targets": loss_targets, "token_counts": token_counts,
+            "engine_weights": engine_weights}
+
+
+@pytest.mark.slow  # a trainer process: megatron-core model, two rollouts with the sandbox, two updates
+def test_trainer_runs_two_grpo_steps_on_python_gsm8k(fitted, tmp_path):
+    """train() from the fitted model (an HF folder) on the questions as a verl-layout jsonl: step 1
+    plays the fitted episodes (sandbox output in the trajectories, reward 1), the trainer's log-probs
+    of the generated ids equal the engine's, only generated ids are under the loss, the update
+    changes the weights the engine holds, and step 2 samples with them."""
+    from megatron_grpo.testing.distributed import run_distributed
+
+    model_dir = tmp_path / "fitted"
+    fitted.model.save_pretrained(model_dir)
+    fitted.tokenizer.save_pretrained(model_dir)
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(PromptRecord(
+        data_source="openai/gsm8k", prompt=[{"role": "user", "content": e.question}], ground_truth=e.answer,
+        ability="math", extra_info={"split": "train", "index": i}).to_dict()) + "\n" for i, e in enumerate(EPISODES)))
+    overrides = [
+        f"model.path={model_dir}", "model.override_config={}",  # the fitted model as saved (untied, 512 positions)
+        "data.task=null", "data.task_kwargs={}", f"data.train_files=[{data}]", "data.shuffle=false",
+        f"data.chat_template={json.dumps(TEMPLATE)}", "data.max_prompt_length=64",
+        f"data.max_response_length={LIMITS.max_length - 64}",
+        f"data.train_batch_size={len(EPISODES)}", f"actor.ppo_mini_batch_size={len(EPISODES)}",
+        f"rollout.n={SAMPLES_PER_PROMPT}", "rollout.multi_turn.environment=python_gsm8k",
+        f"rollout.multi_turn.environment_kwargs={json.dumps(ENV_KWARGS)}",
+        f"rollout.multi_turn.max_turns={LIMITS.max_turns}",
+        f"rollout.multi_turn.max_new_tokens_per_turn={LIMITS.max_new_tokens_per_turn}",
+        f"rollout.multi_turn.max_length={LIMITS.max_length}", f"rollout.multi_turn.step_timeout_s={LIMITS.step_timeout_s}",
+        # Training samples at temperature 1 (the recipe's); top-k 1 keeps only the most likely token,
+        # which the fitted model's margin (> 2 logits) makes the fitted one: the episodes are
+        # deterministic (both samples of a prompt identical) while the engine still reports
+        # log_softmax(logits / T) before the filter, the log-probs the trainer recomputes.
+        "rollout.top_k=1",
+        # Every episode earns 1, so GRPO's advantages are all 0 and the policy-gradient term has no
+        # gradient: the entropy bonus gives the update one, and without weight decay a changed
+        # weight can only come from it. Adam's first step moves every weight by about lr whatever
+        # the gradient's size: the recipe's 1.5e-3 (for a model trained from scratch) unlearns the
+        # fitted episodes in one step, 1e-5 (a fine-tuning rate) keeps them.
+        "actor.entropy_coeff=0.01", "actor.optim.weight_decay=0", "actor.optim.lr=1e-5",
+        # the first mini-batch's "old" log-probs from a forward-only pass, not the update's own
+        "actor.old_logprob_check_interval=1",
+        "reward.function=gsm8k", "trainer.total_steps=2", "eval.interval=-1",
+        f"logging.output_dir={tmp_path / 'run'}", "logging.console=false", "logging.plot=false"]
+    out = run_distributed(_train_two_steps, 1, (overrides,), timeout=300)[0]
+    step1, step2 = out["records"]
+    batch = out["batches"][0]
+
+    # step 1: the fitted episodes, token for token (the sandbox's output and error in each
+    # trajectory, masked), each answer scored right, the engine's log-probs equal float64's
+    check_python_tool_batch(batch, fitted, n=SAMPLES_PER_PROMPT)
+    assert step1["reward/mean"] == 1.0 and step1["multi_turn/tool_calls"] == 3.0 * SAMPLES_PER_PROMPT
+    assert step1["rollout/weight_version_max"] == 0.0  # the fitted weights sampled it
+
+    # the loss covers exactly the generated ids of each trajectory, and the token-mean divides by their count
+    generated = [[t for t, g in zip(s.response_ids, s.response_mask) if g] for s in batch.samples]
+    assert out["loss_targets"][0] == generated
+    assert out["token_counts"][0] == sum(sum(s.response_mask) for s in batch.samples)
+
+    # the trainer's log-probs of the generated ids against the engine's: each is an fp32 computation
+    # within logprob_tolerance of float64, so they differ by at most twice that
+    def bound(model64, samples):
+        return 2 * max(logprob_tolerance(model64, s.prompt_ids + s.response_ids) for s in samples)
+
+    assert 0.0 < step1["actor/logprob_abs_diff_max"] <= bound(fitted.model64, batch.samples)
+    assert step1["actor/ratio_max_abs_dev"] == 0.0 and step1["invariant/ratio_dev_first_minibatch"] == 0.0
+
+    # the update had a gradient and reached the engine: every parameter it holds after step 1's
+    # sync differs from the fitted one
+    assert step1["actor/grad_norm"] > 0.0 and step1["actor/updates_skipped"] == 0.0
+    after_step1 = out["engine_weights"][0]
+    fitted_weights = dict(fitted.model.named_parameters())
+    assert after_step1.keys() == fitted_weights.keys()
+    unchanged = [name for name, p in after_step1.items() if torch.equal(p, fitted_weights[name])]
+    assert not unchanged, unchanged
+
+    # step 2 sampled with those weights (its engine log-probs are theirs, in float64), still plays
+    # the episodes, and the trainer's log-probs still equal the engine's
+    model64 = copy.deepcopy(fitted.model64)
+    model64.load_state_dict({name: p.double() for name, p in after_step1.items()})
+    assert step2["rollout/weight_version_min"] == 1.0
+    check_python_tool_batch(out["batches"][1], dataclasses.replace(fitted, model64=model64), n=SAMPLES_PER_PROMPT)
+    assert step2["reward/mean"] == 1.0
+    assert 0.0 < step2["actor/logprob_abs_diff_max"] <= bound(model64, out["batches"][1].samples)
