@@ -232,6 +232,17 @@ def next_turns(samples):
             for k, s in enumerate(samples) if s.finish_reason == "stop"]
 
 
+def assert_same_as_a_full_prefill(model, requests, samples):
+    """`samples` are what a fresh engine (nothing kept) samples for `requests`, and their log-probs
+    match a float64 forward."""
+    full = LocalEngine(model, char_tokenizer()).generate(requests)
+    assert [s.response_ids for s in samples] == [s.response_ids for s in full]
+    for s in samples:
+        torch.testing.assert_close(torch.tensor(s.logprobs, dtype=torch.float64),
+                                   float64_logprobs(model, s.prompt_ids, s.response_ids),
+                                   atol=FP32_LOGPROB_TOL, rtol=0)
+
+
 def test_a_continued_sequence_prefills_only_its_new_ids_and_samples_as_a_full_prefill(model):
     engine = LocalEngine(model, char_tokenizer())
     first = first_turn(engine)
@@ -245,25 +256,14 @@ def test_a_continued_sequence_prefills_only_its_new_ids_and_samples_as_a_full_pr
     assert widths[0] == max(len(t.prompt_ids) - len(s.prompt_ids) - len(s.response_ids) + 1
                             for t, s in zip(turns, [s for s in first if s.finish_reason == "stop"]))
     assert len(engine._kept) == len(first) - len(turns)  # used entries are dropped; these asked for none
-    full = LocalEngine(model, char_tokenizer()).generate(turns)
-    assert [s.response_ids for s in continued] == [s.response_ids for s in full]
-    for s in continued:
-        torch.testing.assert_close(torch.tensor(s.logprobs, dtype=torch.float64),
-                                   float64_logprobs(model, s.prompt_ids, s.response_ids),
-                                   atol=FP32_LOGPROB_TOL, rtol=0)
+    assert_same_as_a_full_prefill(model, turns, continued)
 
 
 def test_continued_and_new_prompts_share_one_batch(model):
     engine = LocalEngine(model, char_tokenizer())
     turns = next_turns(first_turn(engine))[:2] + [GenerationRequest((3, 4, 5, 6), SamplingParams(max_new_tokens=6,
                                                                                                 seed=2), "new")]
-    mixed = engine.generate(turns)
-    full = LocalEngine(model, char_tokenizer()).generate(turns)
-    assert [s.response_ids for s in mixed] == [s.response_ids for s in full]
-    for s in mixed:
-        torch.testing.assert_close(torch.tensor(s.logprobs, dtype=torch.float64),
-                                   float64_logprobs(model, s.prompt_ids, s.response_ids),
-                                   atol=FP32_LOGPROB_TOL, rtol=0)
+    assert_same_as_a_full_prefill(model, turns, engine.generate(turns))
 
 
 def test_new_weights_drop_the_kept_kv(model):
