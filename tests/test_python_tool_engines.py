@@ -323,7 +323,9 @@ def test_trainer_runs_two_grpo_steps_on_python_gsm8k(fitted, tmp_path):
         data_source="openai/gsm8k", prompt=[{"role": "user", "content": e.question}], ground_truth=e.answer,
         ability="math", extra_info={"split": "train", "index": i}).to_dict()) + "\n" for i, e in enumerate(EPISODES)))
     overrides = [
-        f"model.path={model_dir}", "model.override_config={}",  # the fitted model as saved (untied, 512 positions)
+        # tiny_cpu's override_config describes its from-scratch model (tied, 128 positions); the
+        # fitted folder's config.json is the model (untied, 512 positions)
+        f"model.path={model_dir}", "model.override_config={}",
         "data.task=null", "data.task_kwargs={}", f"data.train_files=[{data}]", "data.shuffle=false",
         f"data.chat_template={json.dumps(TEMPLATE)}", "data.max_prompt_length=64",
         f"data.max_response_length={LIMITS.max_length - 64}",
