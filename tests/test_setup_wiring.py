@@ -46,3 +46,20 @@ def test_reward_signature_and_max_error_frac_reach_the_runner(tmp_path):
     built = run_distributed(_built, 1, ([*FAST, "reward.signature=verl", "reward.max_error_frac=0.9",
                                          f"logging.output_dir={tmp_path / 'run'}"],), timeout=300)[0]
     assert (built["signature"], built["max_error_frac"]) == ("verl", 0.9)
+
+
+def test_override_config_with_model_path_is_named_as_not_applied(tmp_path, caplog):
+    """model.override_config shapes a model built from scratch; with model.path the folder's
+    config.json is used as it is, and the keys that differ from it are named, not dropped silently."""
+    import json
+    import logging
+
+    from megatron_grpo.trainer.model_path import _warn_unapplied_overrides
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2}))
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.trainer.model_path"):
+        _warn_unapplied_overrides({"hidden_size": 64, "num_hidden_layers": 4, "rope_theta": 1e6}, tmp_path)
+        assert "these keys differ from it: num_hidden_layers, rope_theta" in caplog.text
+        caplog.clear()
+        _warn_unapplied_overrides({"hidden_size": 64}, tmp_path)  # what the folder has already
+        assert caplog.text == ""

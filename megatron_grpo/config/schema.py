@@ -30,7 +30,8 @@ class ModelConfig:
     config_path: Optional[str] = None
     # Tokenizer folder; None = `path` (or the synthetic task's tokenizer when data.task is set).
     tokenizer_path: Optional[str] = None
-    # HF config fields set on top of the loaded config.json (verl: model.override_config).
+    # HF config fields of a model built from scratch (verl: model.override_config); with model.path
+    # its config.json is used as it is, and a warning names the keys set here that differ from it.
     override_config: dict[str, Any] = field(default_factory=dict)
     dtype: Dtype = "auto"  # auto = bfloat16 on GPU, float32 on CPU; float16 is refused (validate.py)
     make_vocab_size_divisible_by: int = 128  # megatron pads the vocab to a multiple of this x TP

@@ -4,12 +4,15 @@ before anything reads it), else <output_dir>/initial_model (trainer/initial_mode
 error otherwise."""
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 from megatron_grpo.checkpointing.layout import COMPLETE_MARKER, INITIAL_MODEL_DIR, MODEL_OPTIM_DIR
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # What the trainer, its tokenizer and the rollout engine read from a hub snapshot (not *.bin /
 # *.pth duplicates of the weights, which some repositories also carry).
@@ -26,12 +29,30 @@ def prepare_model_folder(cfg: Config, output_dir: Path) -> Path:
     if cfg.model.path:  # an HF folder, or a `convert hf-to-megatron` checkpoint (exported to initial_model/)
         from megatron_grpo.convert.model_folder import hf_model_folder
 
-        return hf_model_folder(_resolved_model_path(cfg.model.path), output_dir)
+        folder = hf_model_folder(_resolved_model_path(cfg.model.path), output_dir)
+        _warn_unapplied_overrides(cfg.model.override_config, folder)
+        return folder
     from megatron_grpo.trainer.initial_model import ensure_initial_model
 
     target = output_dir / INITIAL_MODEL_DIR
     on_rank0(ensure_initial_model, cfg, target)
     return target
+
+
+def _warn_unapplied_overrides(overrides: dict, folder: Path) -> None:
+    """model.override_config shapes a model built from scratch only; a folder's config.json is what
+    its weights were trained with, so the overrides are not applied: say which ones differ."""
+    import json
+
+    import torch.distributed as dist
+
+    if not overrides or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    hf_config = json.loads((folder / "config.json").read_text())
+    differing = sorted(k for k, v in overrides.items() if hf_config.get(k, object()) != v)
+    if differing:
+        log.warning("model.override_config is not applied to model.path (%s/config.json is used as it is); "
+                    "these keys differ from it: %s", folder, ", ".join(differing))
 
 
 def _resolved_model_path(value: str) -> Path:
