@@ -181,8 +181,7 @@ class LocalEngine(RolloutEngine):
         # On CPU only the kept KV is given back: the weights stay.
         with self._lock:
             self._kept.clear()
-        if self.device.type == "cuda":
-            with self._lock:
+            if self.device.type == "cuda":
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
 
@@ -269,7 +268,8 @@ class LocalEngine(RolloutEngine):
                 self._keep_kv(requests, batch, range(len(batch)), cache, mask)
                 return
             if len(batch) - len(alive) >= _COMPACT_FRACTION * len(batch):
-                self._keep_kv(requests, batch, sorted(set(range(len(batch))) - set(alive)), cache, mask)
+                finished = [i for i, row in enumerate(batch) if row.finish is not None]
+                self._keep_kv(requests, batch, finished, cache, mask)
                 keep = torch.tensor(alive, device=device)
                 cache.batch_select_indices(keep)
                 mask, next_pos, tokens = mask[keep], next_pos[keep], tokens[keep]
