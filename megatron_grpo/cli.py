@@ -72,7 +72,9 @@ def _add_config_parser(sub: argparse._SubParsersAction) -> None:
     show.add_argument("recipe", help="a recipe file, or the name of one in recipes/ (e.g. tiny_cpu)")
     show.add_argument("overrides", nargs="*", metavar="key.sub=value")
     show.add_argument("--world-size", type=int, default=None,
-                      help="also check the batch sizes against this many ranks")
+                      help="also check the batch sizes and engine placement against this many ranks")
+    show.add_argument("--ranks-per-node", type=int, default=None,
+                      help="with --world-size: trainer ranks (GPUs) per node, for the colocated placement")
     show.add_argument("--no-validate", action="store_true", help="skip the cross-field checks")
     show.set_defaults(run=_config_show)
     keys = config.add_parser("keys", help="list every config key with its type and default")
@@ -142,7 +144,7 @@ def _config_show(args: argparse.Namespace) -> int:
 
     config = load_config(args.recipe, args.overrides)
     if not args.no_validate:
-        validate(config, world_size=args.world_size)
+        validate(config, world_size=args.world_size, ranks_per_node=args.ranks_per_node)
     sys.stdout.write(to_yaml(config))
     return 0
 

@@ -158,9 +158,11 @@ class RolloutConfig:
     # generated it (older ones are dropped and counted). 0 = the on-policy loop (generate, train, sync).
     max_staleness: int = 0
     # Who sends the weights: per_stage = each pipeline stage's first tensor-parallel rank streams its
-    # own layers to the engines (local engine in its own process, SGLang distributed); rank0 = every
-    # stage through global rank 0; auto = per_stage where the engine takes it (SGLang: at PP > 1).
-    weight_sync_route: Literal["auto", "per_stage", "rank0"] = "auto"
+    # own layers to the engines (local engine in its own process, SGLang distributed); colocated =
+    # every trainer rank feeds the SGLang engine rank on its GPU (weight_sync=tensor); rank0 = every
+    # stage through global rank 0; auto = colocated for weight_sync=tensor, else per_stage where the
+    # engine takes it (SGLang distributed: at PP > 1), else rank0.
+    weight_sync_route: Literal["auto", "per_stage", "colocated", "rank0"] = "auto"
     local: LocalEngineConfig = field(default_factory=LocalEngineConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

@@ -1,7 +1,8 @@
 """Cross-field checks of a typed Config; every problem found is reported in one ConfigError.
 
 Called once before anything heavy starts: with world_size=None (e.g. `config show`) the checks
-that need the data-parallel size are skipped; the trainer calls it again with the real size.
+that need the data-parallel size are skipped; the trainer calls it again with the real size and
+the ranks per node (where colocated engines are placed).
 """
 from __future__ import annotations
 
@@ -27,14 +28,16 @@ NOT_YET_WIRED = (
 )
 
 
-def validate(config: Config, world_size: Optional[int] = None) -> None:
-    """Raises one ConfigError listing every cross-field problem; returns None if there is none."""
+def validate(config: Config, world_size: Optional[int] = None, ranks_per_node: Optional[int] = None) -> None:
+    """Raises one ConfigError listing every cross-field problem; returns None if there is none.
+    `ranks_per_node`: trainer ranks (GPUs) per node, for the colocated placement (with world_size)."""
     problems: list[str] = []
     for check in (_unwired, _model, _parallel, _data, _rollout, _multi_turn, _algorithm, _actor, _reward,
                   _checkpoint, _trainer, _eval):
         check(config, problems)
     if world_size is not None:
         _world(config, world_size, problems)
+        _colocated_placement(config, world_size, ranks_per_node, problems)
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
@@ -180,6 +183,10 @@ def _asynchronous(c: Config, out: list[str]) -> None:
     if r.max_staleness > 0 and r.engine == "sglang" and r.sglang.weight_sync == "tensor":
         out.append("rollout.max_staleness > 0 with rollout.sglang.weight_sync=tensor: colocated engines give the GPU "
                    "to training, so they cannot generate during it; use weight_sync=distributed")
+    tensor = r.engine == "sglang" and r.sglang.weight_sync == "tensor"
+    if r.weight_sync_route == "colocated" and not tensor:
+        out.append("rollout.weight_sync_route=colocated feeds SGLang engines on the trainer's GPUs: it needs "
+                   "rollout.engine=sglang with rollout.sglang.weight_sync=tensor")
     if r.weight_sync_route == "per_stage":
         if r.engine == "local" and (in_process or (r.local.process is None and r.max_staleness == 0)):
             out.append("rollout.weight_sync_route=per_stage needs the local engine in its own process "
@@ -402,6 +409,33 @@ def _eval(c: Config, out: list[str]) -> None:
     bad = [k for k in e.pass_k if not 1 <= k <= e.n_samples]
     if bad:
         out.append(f"eval.pass_k={e.pass_k}: each k must be in [1, eval.n_samples={e.n_samples}]")
+
+
+def _colocated_placement(c: Config, world_size: int, ranks_per_node: Optional[int], out: list[str]) -> None:
+    """weight_sync=tensor: every engine TP rank sits on a trainer GPU (rollout/sglang/colocated.py
+    places engine k on GPUs k*tp_size.. of the trainer's nodes, in order)."""
+    s = c.rollout.sglang
+    if c.rollout.engine != "sglang" or s.weight_sync != "tensor":
+        return
+    engines = len(s.urls) or s.num_engines
+    what = (f"{engines} colocated engine(s) x rollout.sglang.tp_size={s.tp_size} (rollout.sglang.weight_sync=tensor: "
+            f"every engine GPU is a trainer GPU)")
+    if engines * s.tp_size > world_size:
+        out.append(f"{what} need {engines * s.tp_size} GPUs; the trainer has {world_size} ranks")
+        return
+    if ranks_per_node is None:
+        return
+    if ranks_per_node < 1 or world_size % ranks_per_node:
+        out.append(f"world size {world_size} is not a multiple of {ranks_per_node} ranks per node")
+    elif ranks_per_node % s.tp_size:
+        out.append(f"{what}: tp_size {s.tp_size} does not divide the {ranks_per_node} trainer GPUs of a node "
+                   f"(an engine spans one node's GPUs)")
+    elif not s.urls and engines * s.tp_size > ranks_per_node:
+        out.append(f"{what}: engines launched by the trainer run on rank 0's node, which has {ranks_per_node} "
+                   f"trainer GPUs; give the engines by rollout.sglang.urls (slurm/ scripts do) or use fewer")
+    elif engines > (world_size // ranks_per_node) * (ranks_per_node // s.tp_size):
+        out.append(f"{what} do not fit {ranks_per_node // s.tp_size} per node on {world_size // ranks_per_node} "
+                   f"node(s)")
 
 
 def _world(c: Config, world_size: int, out: list[str]) -> None:

@@ -15,6 +15,11 @@ gather_hf_weights_on_rank0(chunks, cfg)
     The whole model on global rank 0, stage after stage: each stage exports as above, and the
     rank of that stage in global rank 0's pipeline group sends each tensor to rank 0. Every rank
     must exhaust the generator; it yields only on global rank 0 (nothing elsewhere).
+
+hf_weights_on_every_rank(chunks, cfg)
+    The whole model on EVERY rank, stage after stage: each stage exports as above and broadcasts
+    each tensor over its pipeline group (colocated engines: each trainer rank feeds the engine on
+    its own GPU, which needs every layer). Every rank iterates it in lockstep.
 """
 from __future__ import annotations
 
@@ -125,3 +130,35 @@ def gather_hf_weights_on_rank0(model_chunks: Sequence[torch.nn.Module], cfg: Mod
                 tensor = torch.empty(shape, dtype=tensor_dtype, device=device)
                 dist.recv(tensor, src=src)
                 yield name, tensor
+
+
+def hf_weights_on_every_rank(model_chunks: Sequence[torch.nn.Module], cfg: ModelConfig,
+                             dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """All HF tensors of the model, yielded on every rank (see the module docstring): stage s's
+    tensors are broadcast from its rank in each pipeline group, one tensor at a time."""
+    from megatron.core import parallel_state as ps
+
+    pp_group = ps.get_pipeline_model_parallel_group()
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    if len(pp_ranks) == 1:
+        yield from export_hf_weights(model_chunks, cfg, dtype)
+        return
+    my_stage = ps.get_pipeline_model_parallel_rank()
+    device = next(unwrap(model_chunks[0]).parameters()).device  # NCCL broadcasts device tensors
+    for stage, src in enumerate(pp_ranks):
+        if stage == my_stage:
+            for name, tensor in export_hf_weights(model_chunks, cfg, dtype):
+                dist.broadcast_object_list([(name, tuple(tensor.shape), tensor.dtype)], src=src, group=pp_group)
+                dist.broadcast(tensor, src=src, group=pp_group)
+                yield name, tensor
+            dist.broadcast_object_list([_END], src=src, group=pp_group)
+            continue
+        while True:
+            meta = [None]
+            dist.broadcast_object_list(meta, src=src, group=pp_group)
+            if meta[0] == _END:
+                break
+            name, shape, tensor_dtype = meta[0]
+            tensor = torch.empty(shape, dtype=tensor_dtype, device=device)
+            dist.broadcast(tensor, src=src, group=pp_group)
+            yield name, tensor

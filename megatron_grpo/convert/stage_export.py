@@ -8,6 +8,9 @@ stage_hf_weights(chunks, cfg)
     all-gathers, and with expert parallelism the EP ranks in the EP gathers); every other replica
     does no work at all, so DP replicas do not all send.
 
+WholeModelRole is the colocated counterpart: every rank streams the whole model
+(export.hf_weights_on_every_rank), since each feeds the engine rank on its own GPU.
+
 Compared with gather_hf_weights_on_rank0 (every stage's tensors sent to global rank 0 point to
 point, one stage after another), the stages export in parallel and each sender pushes straight to
 the rollout engines, so the sync time stops growing with the number of stages.
@@ -19,7 +22,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from megatron_grpo.convert.export import export_hf_weights
+from megatron_grpo.convert.export import export_hf_weights, hf_weights_on_every_rank
 from megatron_grpo.models.hf_config import ModelConfig
 
 
@@ -45,6 +48,26 @@ class StageRole:
                  and ps.get_context_parallel_rank() == 0)
         return cls(stage=ps.get_pipeline_model_parallel_rank(), num_stages=ps.get_pipeline_model_parallel_world_size(),
                    exports=exports, sends=sends)
+
+    @property
+    def label(self) -> str:
+        return f"stage {self.stage}"
+
+    def export(self, model_chunks: Sequence[torch.nn.Module], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        return stage_hf_weights(model_chunks, cfg, role=self)
+
+
+@dataclass(frozen=True)
+class WholeModelRole:
+    """Every rank exports (and yields) the whole model; `label` names what this rank feeds."""
+
+    label: str
+    sends: bool  # this rank has a sink (an engine rank on its GPU)
+    stage: int = 0  # one turn: all senders at once
+    num_stages: int = 1
+
+    def export(self, model_chunks: Sequence[torch.nn.Module], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        return hf_weights_on_every_rank(model_chunks, cfg)
 
 
 def stage_hf_weights(model_chunks: Sequence[torch.nn.Module], cfg: ModelConfig, dtype: torch.dtype | None = None,

@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.recipe, args.overrides)
     ranks = discover_ranks(os.environ)
-    validate(cfg, world_size=ranks.world_size)
+    validate(cfg, world_size=ranks.world_size, ranks_per_node=ranks.local_world_size)
     # Our own INFO lines on rank 0; megatron-core's INFO chatter (bucket listings...) stays hidden.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron_grpo").setLevel(logging.INFO if ranks.rank == 0 else logging.WARNING)

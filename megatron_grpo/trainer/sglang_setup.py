@@ -60,6 +60,8 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
         servers = [ServerSettings(model_path=str(model_dir), tokenizer_path=cfg.model.tokenizer_path, tp_size=s.tp_size, mem_fraction_static=s.mem_fraction,
                                   host=s.host, port=s.port + i, api_key=api_key,
                                   enable_memory_saver=s.weight_sync == "tensor",
+                                  # colocated: engine i on GPUs i*tp.. (rollout/sglang/colocated.py)
+                                  base_gpu_id=i * s.tp_size if s.weight_sync == "tensor" else None,
                                   enable_deterministic_inference=s.deterministic_inference,
                                   extra_args=tuple(s.extra_args), command=command)
                    for i in range(s.num_engines)]
@@ -93,12 +95,8 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
         elif s.weight_sync == "disk":
             transport = DiskTransport(client, targets, s.disk_sync_dir or output_dir / "weight_sync",
                                       side_files_from=model_dir, timeout_s=s.weight_update_timeout_s)
-        else:
-            if len(targets) != 1 or s.tp_size != 1:
-                raise ConfigError("rollout.sglang.weight_sync=tensor (colocated CUDA IPC) is wired for one engine "
-                                  "with tp_size 1 so far; use weight_sync=distributed or disk")
-            transport = TensorTransport(client, targets[0], bucket_bytes=bucket_bytes,
-                                        timeout_s=s.weight_update_timeout_s)
+        else:  # colocated: each trainer rank feeds the engine on its GPU (trainer/stage_sync.py)
+            transport = TensorTransport(client, targets, bucket_bytes=bucket_bytes, timeout_s=s.weight_update_timeout_s)
         generate_client = SGLangClient([router_url], concurrency=s.max_concurrency, timeout_s=s.request_timeout_s,
                                        retry=RetryPolicy(max_attempts=s.max_retries + 1),
                                        api_key=api_key) if router_url else None

@@ -1,9 +1,8 @@
-"""Weight sync per pipeline stage: each stage's sender streams its own layers to the rollout
-engines, all stages at once, with no hop through global rank 0 (rollout.weight_sync_route).
+"""Weight sync from several sender ranks at once, with no hop through global rank 0
+(rollout.weight_sync_route, trainer/weight_sync.py runs one sync):
 
-connect_stage_sync (collective, once, in build_run) gives every rank a StageSync: its StageRole
-(convert/stage_export.py: one sender per stage, tensor-parallel rank 0 of the first data-parallel
-replica) and, on senders, a sink opened from the endpoint rank 0's engine describes:
+per_stage  each pipeline stage's sender streams its own layers (convert/stage_export.py StageRole:
+           tensor-parallel rank 0 of the first data-parallel replica), all stages at once:
     local engine in its own process  SharedWeightSender into its shared-memory receiver
     SGLang (weight_sync=distributed) a DistributedTransport of the stage's own (group
                                      megatron-grpo-pp<stage>, a port of the sender's), joined by every
@@ -12,28 +11,38 @@ replica) and, on senders, a sink opened from the endpoint rank 0's engine descri
                                      manager queues them); with several engines the stages push in
                                      turn (endpoint.push_in_turn), since two engines' queues may
                                      order the stages differently and the broadcasts would deadlock
-One sync (trainer/weight_sync.py) is then: rank 0 prepares the engines (engine.prepare_stage_update:
-a restarted or dropped SGLang engine means new targets, and every sink rebuilds its group), rank 0
-opens the update (engine.begin_stage_update: SGLang pauses generation and opens ONE begin/end
-session per engine around all stages' pushes), every sender pushes, the results are gathered, and
-rank 0 ends it (engine.end_stage_update: SGLang ends the sessions, flushes, continues, verifies).
+colocated  SGLang weight_sync=tensor: every trainer rank whose GPU hosts an engine TP rank streams
+           the whole model (WholeModelRole) and feeds that engine rank by CUDA IPC (shared memory on
+           CPU); the engine's feeding ranks gather their payloads to the one that posts
+           (rollout/sglang/colocated.py, which also defines the placement). Engines are fed at once.
+
+connect_stage_sync (collective, once, in build_run) gives every rank a StageSync: its role and, on
+senders, a sink opened from the endpoint rank 0's engine describes. One sync is then: rank 0
+prepares the engines (engine.prepare_stage_update: a restarted or dropped SGLang engine means new
+targets, and every sink is told), rank 0 opens the update (engine.begin_stage_update: SGLang
+pauses generation, takes the weight memory back and opens ONE begin/end session per engine around
+all pushes), every sender pushes, the results are gathered, and rank 0 ends it
+(engine.end_stage_update: SGLang ends the sessions, flushes, continues, resumes the KV cache,
+verifies).
 """
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Protocol
+from typing import Any, Iterable, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from megatron_grpo.config.schema import Config
-from megatron_grpo.convert.stage_export import StageRole
-from megatron_grpo.errors import MegatronGRPOError, RolloutFailure
+from megatron_grpo.convert.stage_export import StageRole, WholeModelRole
+from megatron_grpo.errors import ConfigError, MegatronGRPOError, RolloutFailure
 from megatron_grpo.launch.distributed import broadcast_from_rank0
 
 
 class StageSink(Protocol):
-    """A stage sender's connection to the engines."""
+    """A sender's connection to the engines."""
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> Any: ...
 
@@ -50,9 +59,20 @@ class StageEndpoint(Protocol):
     def open(self, role: StageRole, bucket_bytes: int) -> StageSink: ...
 
 
+class SenderRole(Protocol):
+    """What a rank streams in a sync (convert/stage_export.py: StageRole, WholeModelRole)."""
+
+    stage: int  # its turn when senders push in turn
+    num_stages: int
+    sends: bool
+    label: str  # for messages: "stage 1", "engine 3 rank 0"
+
+    def export(self, model_chunks, cfg) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
 @dataclass
 class StageSync:
-    role: StageRole
+    role: SenderRole
     sink: Optional[StageSink]  # senders only
     in_turn: bool = False  # the endpoint's push_in_turn
 
@@ -63,15 +83,17 @@ class StageSync:
 
 
 def stage_route(cfg: Config) -> str:
-    """per_stage or rank0, for this recipe (rollout.weight_sync_route; validate.py refuses per_stage
-    where the engine cannot take it)."""
+    """per_stage, colocated or rank0, for this recipe (rollout.weight_sync_route; validate.py
+    refuses a route the engine cannot take)."""
     from megatron_grpo.trainer.local_engine import engine_in_own_process
 
     route = cfg.rollout.weight_sync_route
     if route != "auto":
         return route
     r = cfg.rollout
-    if r.engine == "sglang":  # the disk and tensor transports have one writer / one colocated rank
+    if r.engine == "sglang":
+        if r.sglang.weight_sync == "tensor":
+            return "colocated"
         # Without pipeline stages the one sender is rank 0 either way: keep the rank-0 route, whose
         # engine-fault recovery (restarts, dropped URLs mid-sync) the fault tests exercise most.
         distributed = r.sglang.weight_sync == "distributed"
@@ -81,22 +103,54 @@ def stage_route(cfg: Config) -> str:
 
 def connect_stage_sync(cfg: Config, rank0) -> StageSync | None:
     """Collective: every rank's StageSync, or None when the weights go through rank 0."""
-    if stage_route(cfg) != "per_stage":
+    route = stage_route(cfg)
+    if route == "rank0":
         return None
-    endpoint = broadcast_from_rank0(rank0.engine.stage_endpoint() if rank0 is not None else None)
-    role = StageRole.current()
+    bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20
+    if route == "colocated":
+        endpoint = broadcast_from_rank0(rank0.engine.colocated_endpoint() if rank0 is not None else None)
+        role, opener = _colocated_sender(endpoint, bucket_bytes)
+    else:
+        endpoint = broadcast_from_rank0(rank0.engine.stage_endpoint() if rank0 is not None else None)
+        role = StageRole.current()
+        opener = (lambda: endpoint.open(role, bucket_bytes)) if role.sends else None
     sink, error = None, None
-    if role.sends:
+    if opener is not None:
         try:
-            sink = endpoint.open(role, cfg.rollout.weight_bucket_mb * 2**20)
+            sink = opener()
         except MegatronGRPOError as exc:
-            error = f"stage {role.stage}: {exc}"
+            error = f"{role.label}: {exc}"
     errors = [e for e in all_gather(error) if e]
     if errors:
         if sink is not None:
             sink.close()
-        raise RolloutFailure(f"the per-stage weight senders could not reach the rollout engines: {errors[0]}")
+        raise RolloutFailure(f"the weight senders could not reach the rollout engines: {errors[0]}")
     return StageSync(role=role, sink=sink, in_turn=bool(endpoint.push_in_turn))
+
+
+def _colocated_sender(endpoint, bucket_bytes: int):
+    """Collective: this rank's WholeModelRole and sink opener. Every rank learns every rank's node
+    and local rank (= GPU), computes the same placement, and takes part in creating each engine's
+    gloo group of feeding ranks (tp_size > 1), in engine order."""
+    from megatron_grpo.launch.env import discover_ranks
+    from megatron_grpo.rollout.sglang.colocated import RankPlace, colocated_seats
+
+    ranks = discover_ranks(os.environ)
+    places = all_gather(RankPlace(socket.gethostname(), ranks.local_rank, ranks.local_world_size))
+    tp_sizes = {t.tp_size for t in endpoint.targets}
+    if len(tp_sizes) > 1:
+        raise ConfigError(f"colocated engines serve with different tp_size ({sorted(tp_sizes)}); give them one")
+    seats = colocated_seats(places, len(endpoint.targets), tp_sizes.pop())
+    groups = {}
+    for seat in sorted({s.engine: s for s in seats.values()}.values(), key=lambda s: s.engine):
+        if len(seat.feeders) > 1:  # every rank creates every group, in the same order
+            groups[seat.engine] = dist.new_group(list(seat.feeders), backend="gloo")
+    seat = seats.get(dist.get_rank())
+    if seat is None:
+        return WholeModelRole(label=f"rank {dist.get_rank()} (no engine on its GPU)", sends=False), None
+    role = WholeModelRole(label=f"engine {seat.engine} rank {seat.engine_rank} ({endpoint.targets[seat.engine].url})",
+                          sends=True)
+    return role, lambda: endpoint.open(seat, groups.get(seat.engine), bucket_bytes)
 
 
 def all_gather(value: Any) -> list[Any]:

@@ -1,9 +1,10 @@
 """After each step: the policy's Megatron shards -> HF-named full tensors -> the rollout engine.
 
 Uses convert/'s streaming export, so the local engine on a CPU run goes through exactly the
-resharding that feeds SGLang on a cluster. Two routes (rollout.weight_sync_route):
+resharding that feeds SGLang on a cluster. Three routes (rollout.weight_sync_route):
   rank0      every stage's tensors through global rank 0, which pushes them (gather_hf_weights_on_rank0);
-  per_stage  each stage's sender pushes its own layers, all stages at once (trainer/stage_sync.py).
+  per_stage  each stage's sender pushes its own layers, all stages at once (trainer/stage_sync.py);
+  colocated  every rank whose GPU hosts an SGLang engine rank feeds it (trainer/stage_sync.py).
 Every rank must take part (TP gathers, PP sends), so a failure (an SGLang engine died mid-push) is
 held until the stream is drained and then told to every rank: all ranks export again and push again
 (the engine pool restarts or drops the dead engine first), up to `attempts` times; then
@@ -16,7 +17,6 @@ import logging
 import torch.distributed as dist
 
 from megatron_grpo.convert.export import gather_hf_weights_on_rank0
-from megatron_grpo.convert.stage_export import stage_hf_weights
 from megatron_grpo.errors import MegatronGRPOError, Rank0Failure, RolloutFailure
 from megatron_grpo.launch.distributed import broadcast_from_rank0
 from megatron_grpo.trainer.stage_sync import StageSync, all_gather
@@ -108,7 +108,7 @@ def _one_stage_sync(run, stage_sync: StageSync, version: int) -> dict[str, float
         try:
             sink.set_targets(targets)
         except MegatronGRPOError as exc:
-            rebuild_error = f"stage {role.stage}: {exc}"
+            rebuild_error = f"{role.label}: {exc}"
     rebuild_errors = [e for e in all_gather(rebuild_error) if e]
     if rebuild_errors:
         _on_rank0_agreed(lambda: engine.abort_stage_update(version))  # the next attempt rebuilds again
@@ -138,17 +138,17 @@ def _one_stage_sync(run, stage_sync: StageSync, version: int) -> dict[str, float
 
 
 def _push_stage(run, role, sink, sample, version: int):
-    """This rank's part of its stage's push: (outcome, unexpected error or None)."""
-    stream = stage_hf_weights(run.policy, run.model_config, role=role)
+    """This rank's part of the push: (outcome, unexpected error or None)."""
+    stream = role.export(run.policy, run.model_config)
     outcome, unexpected = None, None
     if sink is not None:
         try:
             stats = sink.push(sample.tap(stream) if sample is not None else stream, version)
             outcome = (role.stage, stats, sample.tensors if sample is not None else None)
         except MegatronGRPOError as exc:
-            outcome = f"stage {role.stage}: {exc}"
+            outcome = f"{role.label}: {exc}"
         except Exception as exc:  # noqa: BLE001 - every rank stops (in _one_stage_sync)
-            unexpected, outcome = exc, f"stage {role.stage} (rank {dist.get_rank()}): {type(exc).__name__}: {exc}"
+            unexpected, outcome = exc, f"{role.label} (rank {dist.get_rank()}): {type(exc).__name__}: {exc}"
     for _ in stream:  # the export holds TP collectives: drained on every rank that exports
         pass
     return outcome, unexpected

@@ -204,12 +204,21 @@ grpo_router_cmd() {
         --port "$R_ROUTER_PORT" --policy "$R_ROUTER_POLICY" --worker-urls "${urls[@]}")
 }
 
-grpo_trainer_cmd() {
-    local overrides=("logging.output_dir=$GRPO_RUN_DIR") k url_list=""
+# grpo_engine_overrides: GRPO_ENGINE_OVERRIDES, the engine URLs (in placement order) for the trainer
+grpo_engine_overrides() {
+    local k url_list=""
+    GRPO_ENGINE_OVERRIDES=()
     if [ "${#GRPO_ENGINE_HOST[@]}" -gt 0 ]; then
         for ((k = 0; k < ${#GRPO_ENGINE_HOST[@]}; k++)); do url_list+="${url_list:+,}\"$(grpo_engine_url "$k")\""; done
-        overrides+=("rollout.sglang.urls=[$url_list]")
+        GRPO_ENGINE_OVERRIDES+=("rollout.sglang.urls=[$url_list]")
     fi
+    return 0
+}
+
+grpo_trainer_cmd() {
+    local overrides=("logging.output_dir=$GRPO_RUN_DIR")
+    grpo_engine_overrides
+    overrides+=("${GRPO_ENGINE_OVERRIDES[@]}")
     [ -n "${GRPO_SGLANG_ROUTER_URL:-}" ] && overrides+=("rollout.sglang.router_url=$GRPO_SGLANG_ROUTER_URL")
     GRPO_CMD=("$GRPO_PYTHON" -m megatron_grpo.train "$RECIPE" "${overrides[@]}" "${GRPO_ARGS[@]}")
     local nodelist; nodelist=$(IFS=,; echo "${GRPO_TRAINER_NODES[*]}")
@@ -367,9 +376,12 @@ grpo_main() {
     GRPO_RUN_DIR=${GRPO_RUN_DIR:-${OUTPUT_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}/outputs}/${SLURM_JOB_NAME:-grpo}-${SLURM_JOB_ID:-dryrun}}
     GRPO_LOG_DIR=$GRPO_RUN_DIR/logs
     grpo_network_env
-    # The full recipe check, batch sizes against the data-parallel size included; the resolved
-    # config is kept in the run folder.
-    GRPO_CONFIG_YAML=$("$GRPO_PYTHON" -m megatron_grpo.cli config show "$RECIPE" "${GRPO_ARGS[@]}" --world-size "$GRPO_WORLD" 2>&1) \
+    # The full recipe check, batch sizes against the data-parallel size and the engines against the
+    # trainer's GPUs included (with the engine URLs the trainer gets); the resolved config is kept
+    # in the run folder.
+    grpo_engine_overrides
+    GRPO_CONFIG_YAML=$("$GRPO_PYTHON" -m megatron_grpo.cli config show "$RECIPE" "${GRPO_ENGINE_OVERRIDES[@]}" "${GRPO_ARGS[@]}" \
+        --world-size "$GRPO_WORLD" --ranks-per-node "$GRPO_TASKS_PER_NODE" 2>&1) \
         || grpo_die "recipe $RECIPE with $GRPO_WORLD trainer ranks: $(tail -n 1 <<< "$GRPO_CONFIG_YAML")"
     if [ "${DRY_RUN:-0}" = 1 ]; then grpo_dry_run; return 0; fi
 

@@ -105,3 +105,12 @@ def sglang_checksum(tensor: torch.Tensor) -> str:
     to compare an engine's parameters with the trainer's bitwise."""
     data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     return f"{int.from_bytes(hashlib.sha256(data).digest()[:8], 'big'):016x}"
+
+
+def engine_checksums(url: str) -> list[dict[str, str]]:
+    """SGLang's /weights_checker checksums of every parameter, one dict per engine TP rank (the
+    harness keeps full HF-named copies on each rank, so they compare with sglang_checksum)."""
+    from megatron_grpo.rollout.sglang.http_json import request_json
+
+    answer = request_json(url, "/weights_checker", {"action": "checksum"})
+    return [rank["checksums"] for rank in answer["ranks"]]

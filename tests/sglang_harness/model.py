@@ -9,7 +9,10 @@ Both behave as SGLang 0.5.23's models do where it matters to a trainer:
   does (Qwen2/Qwen3 have no such method in 0.5.23; the harness answers for every model so that
   value checks can be tested).
 The weights are kept unfused and unsharded (SGLang fuses q/k/v and gate/up, and shards by TP);
-checksums of `/weights_checker` are therefore over HF names here."""
+checksums of `/weights_checker` are therefore over HF names here. MoE experts are the exception:
+transformers 5 stores them fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
+[E, H, I]), and `load_weights` takes the per-expert checkpoint names into them, as SGLang's
+FusedMoE expert mapping does (`mlp.experts.{e}.gate_proj / up_proj / down_proj.weight`)."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -34,8 +37,11 @@ def _attach_sglang_methods(model: torch.nn.Module) -> None:
         loaded = set()
         with torch.no_grad():
             for name, tensor in weights:
-                if name in params:
-                    default_weight_loader(params[name], tensor)
+                target = params.get(name)
+                if target is None:
+                    target = _fused_expert_slice(params, name)
+                if target is not None:
+                    default_weight_loader(target, tensor)
                     loaded.add(name)
         return loaded
 
@@ -47,3 +53,21 @@ def _attach_sglang_methods(model: torch.nn.Module) -> None:
 
     model.load_weights = load_weights
     model.get_weights_by_name = get_weights_by_name
+
+
+def _fused_expert_slice(params: dict[str, torch.nn.Parameter], name: str) -> torch.Tensor | None:
+    """The view of a fused expert parameter that the per-expert checkpoint tensor `name` fills
+    (`...mlp.experts.{e}.gate_proj.weight` -> gate_up_proj[e, :I]), or None."""
+    prefix, sep, rest = name.partition(".mlp.experts.")
+    parts = rest.split(".")
+    if not sep or len(parts) != 3 or not parts[0].isdigit() or parts[2] != "weight":
+        return None
+    expert, projection = int(parts[0]), parts[1]
+    fused = f"{prefix}.mlp.experts.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}"
+    if fused not in params or projection not in ("gate_proj", "up_proj", "down_proj"):
+        return None
+    param = params[fused].data[expert]
+    if projection == "down_proj":
+        return param
+    half = param.shape[0] // 2
+    return param[:half] if projection == "gate_proj" else param[half:]

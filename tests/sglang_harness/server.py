@@ -25,10 +25,12 @@ def main(argv: list[str] | None = None) -> None:
         # intel_amx, is refused). The CPU scheduler runs no attention kernel, so name a GPU one.
         argv += ["--attention-backend", "triton"]
     server_args = prepare_server_args(argv)
-    # SGLang on CPU binds each TP rank to its own cores (one NUMA node per rank unless told);
-    # the test machines have one node, so give each rank one core.
+    # SGLang on CPU binds each TP rank to its own cores: entry gpu_id of this list, where gpu_id =
+    # base_gpu_id + rank * gpu_id_step (an emulated device: colocated tests give engines other
+    # base GPUs). The test machines have one NUMA node, so each entry is one core.
+    devices = server_args.base_gpu_id + server_args.tp_size * server_args.gpu_id_step
     os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND",
-                          "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(server_args.tp_size)))
+                          "|".join(str(device % (os.cpu_count() or 1)) for device in range(devices)))
     launch_server(server_args, run_scheduler_process_func=run_cpu_scheduler)
 
 

@@ -15,7 +15,7 @@ from megatron_grpo.rollout.sglang.http_json import RetryPolicy
 from megatron_grpo.rollout.sglang.pool import EnginePool, EngineSlot, HealthProber
 from megatron_grpo.rollout.sglang.protocol import parse_weight_version
 from megatron_grpo.rollout.sglang.verify import WeightSample, verify_engines
-from megatron_grpo.rollout.sglang.weight_sync import (DistributedTransport, SyncStats, WeightTransport,
+from megatron_grpo.rollout.sglang.weight_sync import (DistributedTransport, SyncStats, TensorTransport, WeightTransport,
                                                       _continue_best_effort, _end_session_best_effort, flush_cache,
                                                       update_weights)
 from megatron_grpo.rollout.types import EngineHealth, GenerationRequest, Sample
@@ -142,7 +142,8 @@ class SGLangEngine(RolloutEngine):
     def sync_metrics(self) -> dict[str, float]:
         return dict(self.last_sync_metrics)
 
-    # ----- per-stage sync (trainer/stage_sync.py, rollout/sglang/stage_sync.py) ----------------
+    # ----- sync from sender ranks (trainer/stage_sync.py: per stage, rollout/sglang/stage_sync.py;
+    # colocated, rollout/sglang/colocated.py) ---------------------------------------------------
     # One update: prepare (recover engines; new targets -> the senders rebuild their groups), begin
     # (pause generation, ONE begin_weight_update session per engine), the senders push, end (end
     # the sessions, flush, continue, verify) or abort. The health prober stays paused in between.
@@ -159,6 +160,20 @@ class SGLangEngine(RolloutEngine):
             backend=t.backend, timeout_s=t.timeout_s, api_key=self.client.api_key,
             request_timeout_s=self.client.timeout_s, max_attempts=self.client.retry.max_attempts,
             push_in_turn=len(self.pool.slots) > 1)
+
+    def colocated_endpoint(self):
+        """What each trainer rank feeding a colocated engine needs (rollout/sglang/colocated.py):
+        every engine in placement order, dead or alive (the order fixes which GPU feeds which)."""
+        from megatron_grpo.rollout.sglang.colocated import SGLangColocatedEndpoint
+
+        if not isinstance(self.transport, TensorTransport):
+            raise SGLangError("colocated weight sync needs rollout.sglang.weight_sync=tensor; this engine has "
+                              f"{type(self.transport).__name__}")
+        self._stage_targets = list(self.pool.alive_targets)
+        return SGLangColocatedEndpoint(
+            targets=tuple(slot.target for slot in self.pool.slots), api_key=self.client.api_key,
+            request_timeout_s=self.client.timeout_s, timeout_s=self.transport.timeout_s,
+            max_attempts=self.client.retry.max_attempts)
 
     def prepare_stage_update(self, version: int):
         """The engines the senders must now reach, or None when they are unchanged."""

@@ -36,6 +36,7 @@ class ServerSettings:
     port: int = 30000
     api_key: str | None = None
     enable_memory_saver: bool = False
+    base_gpu_id: int | None = None  # the engine's first GPU (colocated engines: rollout/sglang/colocated.py)
     # SGLang ignores sampling_seed without it; costs throughput (see the README's SGLang section).
     enable_deterministic_inference: bool = False
     extra_args: tuple[str, ...] = ()
@@ -57,6 +58,8 @@ def server_command(settings: ServerSettings) -> list[str]:
         cmd += ["--api-key", settings.api_key]
     if settings.enable_memory_saver:
         cmd += ["--enable-memory-saver"]
+    if settings.base_gpu_id is not None:
+        cmd += ["--base-gpu-id", str(settings.base_gpu_id)]
     if settings.enable_deterministic_inference:
         cmd += ["--enable-deterministic-inference"]
     return cmd + list(settings.extra_args)

@@ -5,9 +5,10 @@ Every transport consumes one stream of HF-named full tensors (the exporter's out
   to match /init_weights_update_group; per bucket, POST /update_weights_from_distributed with
   names/dtypes/shapes and broadcast the tensors from rank 0. One instance (group name, port) per
   pipeline stage lets the stages push their own layers in parallel.
-- TensorTransport (colocated): per bucket a flattened_bucket payload serialized with ForkingPickler
-  (CUDA IPC handles on GPU, shared memory on CPU), one entry per engine TP rank, to
-  /update_weights_from_tensor.
+- TensorTransport: per bucket a flattened_bucket payload serialized with ForkingPickler (CUDA IPC
+  handles on GPU, shared memory on CPU), one entry per engine TP rank, to
+  /update_weights_from_tensor, all made by this process (a multi-rank trainer's colocated engines
+  are fed rank by rank instead: rollout/sglang/colocated.py).
 - DiskTransport: an HF safetensors folder in a shared directory, then /update_weights_from_disk.
 
 `update_weights` wraps a transport in the protocol of one update, as SGLang 0.5.23 requires it:
@@ -71,7 +72,8 @@ class WeightTransport(abc.ABC):
         pass
 
 
-def _check(url: str, path: str, answer: object) -> None:
+def check_answer(url: str, path: str, answer: object) -> None:
+    """Raises SGLangError when an SGLang control call answered {success: false}."""
     if isinstance(answer, dict) and answer.get("success") is False:
         raise SGLangError(f"{url}{path} failed: {answer.get('message')}", url)
 
@@ -105,7 +107,7 @@ class DistributedTransport(WeightTransport):
 
     def _wait(self, path: str, futures: list[Future]) -> None:
         for target, future in zip(self.targets, futures):
-            _check(target.url, path, future.result())
+            check_answer(target.url, path, future.result())
 
     def connect(self) -> None:
         offsets = [1 + sum(t.tp_size for t in self.targets[:i]) for i in range(len(self.targets))]
@@ -176,43 +178,53 @@ class DistributedTransport(WeightTransport):
 
 
 class TensorTransport(WeightTransport):
-    """Colocated: tensors stay in this process's memory, the server maps them (see module docstring).
+    """Tensors stay in this process's memory and the servers map them (see the module docstring):
+    every payload is made here and replicated to every TP rank of every engine. Right for one
+    process feeding engines on its node (weight_sync_route=rank0, tools, benchmarks); a multi-rank
+    trainer feeds each colocated engine rank from the trainer rank on its GPU instead
+    (rollout/sglang/colocated.py). `flattened=None` sends SGLang's flattened_bucket when sglang
+    imports here, else a plain (name, tensor) list."""
 
-    On one node each engine TP rank must get the payload made by the trainer rank on its GPU:
-    pass `gather_payloads(payload) -> list[str] | None` that gathers them to the posting rank
-    (None on ranks that do not post). Without it the one payload is replicated to all TP ranks,
-    which is right for tp_size 1 and for CPU tensors. `flattened=None` sends SGLang's
-    flattened_bucket when sglang imports here, else a plain (name, tensor) list."""
-
-    def __init__(self, client: SGLangClient, target: EngineTarget, *, bucket_bytes: int = 512 * 2**20,
-                 flattened: bool | None = None, gather_payloads: Callable[[str], list[str] | None] | None = None,
-                 timeout_s: float = 600.0):
+    def __init__(self, client: SGLangClient, targets: Sequence[EngineTarget], *, bucket_bytes: int = 512 * 2**20,
+                 flattened: bool | None = None, timeout_s: float = 600.0):
         self.client = client
-        self.targets = [target]
+        self.targets = list(targets)
         self.bucket_bytes = bucket_bytes
         self.flattened = flattened
-        self.gather_payloads = gather_payloads
         self.timeout_s = timeout_s
 
     def push(self, named_tensors: NamedTensors, version: int) -> SyncStats:
-        stats = SyncStats()
-        start = time.perf_counter()
-        target = self.targets[0]
-        for bucket in iter_buckets(named_tensors, self.bucket_bytes):
-            payload = tensor_payload(bucket, self.flattened)  # its tensors stay alive until the server answered
-            serialized = serialize(payload.obj)
-            payloads = self.gather_payloads(serialized) if self.gather_payloads else [serialized] * target.tp_size
-            if payloads is not None:
-                answer = self.client.call(target.url, "/update_weights_from_tensor", {
-                    "serialized_named_tensors": payloads, "load_format": payload.load_format, "flush_cache": False,
-                    "weight_version": str(version)}, timeout_s=self.timeout_s)
-                _check(target.url, "/update_weights_from_tensor", answer)
-            del payload
-            stats.num_tensors += len(bucket)
-            stats.num_bytes += sum(tensor_bytes(t) for _, t in bucket)
-            stats.num_buckets += 1
-        stats.seconds = time.perf_counter() - start
-        return stats
+        def post(serialized: str, load_format: str | None) -> None:
+            for target in self.targets:
+                answer = self.client.call(target.url, "/update_weights_from_tensor", tensor_update_request(
+                    [serialized] * target.tp_size, load_format, version), timeout_s=self.timeout_s)
+                check_answer(target.url, "/update_weights_from_tensor", answer)
+
+        return push_tensor_buckets(named_tensors, self.bucket_bytes, self.flattened, post)
+
+
+def tensor_update_request(payloads: list[str], load_format: str | None, version: int) -> dict:
+    """The body of /update_weights_from_tensor (UpdateWeightsFromTensorReqInput): one serialized
+    payload per engine TP rank."""
+    return {"serialized_named_tensors": payloads, "load_format": load_format, "flush_cache": False,
+            "weight_version": str(version)}
+
+
+def push_tensor_buckets(named_tensors: NamedTensors, bucket_bytes: int, flattened: bool | None,
+                        post: Callable[[str, str | None], None]) -> SyncStats:
+    """The tensor route's loop: per bucket, its payload serialized once and `post(serialized,
+    load_format)`; the bucket's tensors stay alive until `post` returns (the server maps them)."""
+    stats = SyncStats()
+    start = time.perf_counter()
+    for bucket in iter_buckets(named_tensors, bucket_bytes):
+        payload = tensor_payload(bucket, flattened)
+        post(serialize(payload.obj), payload.load_format)
+        del payload
+        stats.num_tensors += len(bucket)
+        stats.num_bytes += sum(tensor_bytes(t) for _, t in bucket)
+        stats.num_buckets += 1
+    stats.seconds = time.perf_counter() - start
+    return stats
 
 
 class DiskTransport(WeightTransport):
@@ -247,7 +259,7 @@ class DiskTransport(WeightTransport):
             "model_path": str(path), "weight_version": str(version), "flush_cache": False},
             urls=[t.url for t in self.targets], timeout_s=self.timeout_s)
         for target, answer in zip(self.targets, answers):
-            _check(target.url, "/update_weights_from_disk", answer)
+            check_answer(target.url, "/update_weights_from_disk", answer)
         self._prune(keep=path)
         return SyncStats(len(tensors), nbytes, 1, time.perf_counter() - start)
 
@@ -285,7 +297,7 @@ def update_weights(client: SGLangClient, transport: WeightTransport, named_tenso
                 _end_session_best_effort(client, urls)
                 raise
             for url, answer in zip(urls, client.call_all("/end_weight_update", {}, urls=urls)):
-                _check(url, "/end_weight_update", answer)
+                check_answer(url, "/end_weight_update", answer)
         else:
             stats = transport.push(named_tensors, version)
         for url in urls:
