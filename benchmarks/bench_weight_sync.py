@@ -163,7 +163,7 @@ def main() -> None:
             version = iter(range(2, 10_000))
             for name, transport in (
                     ("SGLang code, distributed (gloo broadcast)", dist),
-                    ("SGLang code, tensor (shared memory)", TensorTransport(client, target, bucket_bytes=bucket)),
+                    ("SGLang code, tensor (shared memory)", TensorTransport(client, [target], bucket_bytes=bucket)),
                     ("SGLang code, disk (safetensors)", DiskTransport(client, [target], Path(tmp) / "sync",
                                                                       side_files_from=model_dir))):
                 rows.append((name, best_seconds(

@@ -339,7 +339,7 @@ def test_colocated_release_then_update_resumes_only_released_tags(servers):
     KeyError for the already-resumed `weights` and its scheduler took the server down."""
     url = servers["tp2"]
     client = SGLangClient([url])
-    engine = SGLangEngine(client, TensorTransport(client, EngineTarget(url, tp_size=2), bucket_bytes=100 * 1024),
+    engine = SGLangEngine(client, TensorTransport(client, [EngineTarget(url, tp_size=2)], bucket_bytes=100 * 1024),
                           options=NO_PROBE)
     engine.release_memory()  # the trainer runs; SGLang drops the weights' contents (zeroed here)
     zeroed = request_json(url, "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 3})
@@ -360,7 +360,7 @@ def test_tensor_payload_passes_sglangs_safe_unpickler_both_ways(servers, model_d
     url = servers["det"]
     client = SGLangClient([url])
     model = tiny_model(seed=4, scale=3.0)
-    update_weights(client, TensorTransport(client, EngineTarget(url), flattened=False), hf_stream(model), 11)
+    update_weights(client, TensorTransport(client, [EngineTarget(url)], flattened=False), hf_stream(model), 11)
     assert_engine_holds(url, model, 11)
     donor = tmp_path / "donor"
     tiny_model(seed=5, scale=3.0).save_pretrained(donor)
@@ -370,7 +370,7 @@ def test_tensor_payload_passes_sglangs_safe_unpickler_both_ways(servers, model_d
               "from megatron_grpo.rollout.sglang.weight_sync import TensorTransport, EngineTarget, update_weights\n"
               "model = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32)\n"
               "client = SGLangClient([sys.argv[1]])\n"
-              "transport = TensorTransport(client, EngineTarget(sys.argv[1]), bucket_bytes=100 * 1024)\n"
+              "transport = TensorTransport(client, [EngineTarget(sys.argv[1])], bucket_bytes=100 * 1024)\n"
               "update_weights(client, transport, ((n, t.clone()) for n, t in model.state_dict().items()), 12)\n")
     log = tmp_path / "client.log"
     with open(log, "w") as out:  # a file, not a pipe: torch's shm manager daemon inherits the handles
@@ -401,7 +401,7 @@ def test_update_aborts_running_generation_then_resumes(servers):
     continue_generation lets the next generate through with the new version."""
     url = servers["det"]
     client = SGLangClient([url])
-    engine = SGLangEngine(client, TensorTransport(client, EngineTarget(url)), generate_client=SGLangClient([url]),
+    engine = SGLangEngine(client, TensorTransport(client, [EngineTarget(url)]), generate_client=SGLangClient([url]),
                           options=NO_PROBE)
     result = {}
     runner = threading.Thread(target=lambda: result.update(out=engine.generate(
@@ -422,7 +422,7 @@ def test_async_generate_resubmits_groups_a_weight_update_aborted(servers):
     group (an episode's turns share none, but a caller may) each get their own continuation back."""
     url = servers["det"]
     client = SGLangClient([url])
-    engine = SGLangEngine(client, TensorTransport(client, EngineTarget(url)), generate_client=SGLangClient([url]),
+    engine = SGLangEngine(client, TensorTransport(client, [EngineTarget(url)]), generate_client=SGLangClient([url]),
                           options=dataclasses.replace(NO_PROBE, resubmit_aborted=True))
     # long enough to be still in flight at the update on an idle machine (1500 tokens were not), short
     # enough to generate twice
@@ -466,7 +466,7 @@ def test_verification_names_engines_that_disagree(servers):
     client = SGLangClient([servers["det"], servers["plain"]], api_key="s3cret")
     model = tiny_model(seed=10, scale=3.0)
     sample = WeightSample()
-    update_weights(client, TensorTransport(client, EngineTarget(servers["det"])), sample.tap(hf_stream(model)), 17)
+    update_weights(client, TensorTransport(client, [EngineTarget(servers["det"])]), sample.tap(hf_stream(model)), 17)
     assert verify_engines(client, [EngineTarget(servers["det"])], sample).value_checked == len(sample.tensors)
     both = [EngineTarget(servers["det"]), EngineTarget(servers["plain"])]
     with pytest.raises(WeightVerificationError, match=rf"{servers['plain']} holds different values"):

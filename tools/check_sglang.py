@@ -148,7 +148,7 @@ class Checker:
     def tensor(self) -> str:
         state = {k: v.to(self.device) for k, v in self.perturbed(1.1).items()}
         flattened = {"auto": None, "flattened": True, "tensors": False}[self.args.tensor_payload]
-        transport = TensorTransport(self.client, EngineTarget(self.url, self.args.tp_size), flattened=flattened)
+        transport = TensorTransport(self.client, [EngineTarget(self.url, self.args.tp_size)], flattened=flattened)
         nbytes = self.push(transport, state)
         how = "CUDA IPC" if self.device.type == "cuda" else "shared memory"
         return (f"{nbytes / 1e9:.2f} GB via {how}, {self.verified} tensors verified; "

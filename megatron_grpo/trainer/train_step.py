@@ -187,7 +187,9 @@ def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch]
         zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
         metrics["actor/ratio_max_abs_dev"] = torch.where(mask, (logp.detach() - old).exp() - 1, zero).abs().max()
         if "rollout_logprobs" in per_token:
-            diff = torch.where(mask, logp.detach() - per_token["rollout_logprobs"], zero).abs()
+            # engine vs trainer on the weights of the step start (`old`), not the current ones: after
+            # the step's first optimizer step the difference would include the update itself
+            diff = torch.where(mask, old - per_token["rollout_logprobs"], zero).abs()
             metrics["actor/logprob_abs_diff_mean"] = diff.sum() / max(batch_info.num_valid_tokens, 1)
             metrics["actor/logprob_abs_diff_max"] = diff.max()
             if sample_staleness is not None:

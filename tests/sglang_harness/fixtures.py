@@ -55,6 +55,22 @@ def router_settings(policy: str = "round_robin", extra_args: Sequence[str] = ())
                           command=(sglang_python(), "-m", "sglang_router.launch_router"))
 
 
+def launch_router(log_dir: str | Path, worker_urls: Sequence[str], policy: str = "round_robin") -> SGLangLauncher:
+    """The real sglang-router in front of servers started elsewhere (as slurm/ starts it); the
+    caller shuts it down."""
+    from urllib.parse import urlparse
+
+    given = [ServerSettings(model_path="", host=urlparse(u).hostname, port=urlparse(u).port) for u in worker_urls]
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    launcher = SGLangLauncher(servers=given, log_dir=log_dir, router=router_settings(policy), env=harness_env())
+    try:
+        launcher.wait_healthy(timeout_s=120, poll_s=0.5)  # starts only the router: no server was started here
+    except BaseException:
+        launcher.shutdown(grace_s=2)
+        raise
+    return launcher
+
+
 LONG_CONTEXT = 200_000
 
 
@@ -114,3 +130,28 @@ def engine_checksums(url: str) -> list[dict[str, str]]:
 
     answer = request_json(url, "/weights_checker", {"action": "checksum"})
     return [rank["checksums"] for rank in answer["ranks"]]
+
+
+def harness_checksums(model_dir: str | Path, hf_tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """What a harness engine serving model_dir reports by /weights_checker for its parameters once
+    it loaded `hf_tensors` (the names it keeps: HF parameters, fused MoE experts). Every tensor must
+    be one the model knows (the engine would skip it silently)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.sglang_harness.model import resolve_param
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, tensor in hf_tensors.items():
+            target = resolve_param(params, name)
+            assert target is not None, f"{name}: no such parameter in {model_dir}'s model"
+            assert target.shape == tensor.shape, (name, tuple(target.shape), tuple(tensor.shape))
+            target.copy_(tensor)
+    return {name: sglang_checksum(tensor) for name, tensor in model.named_parameters()}
+
+
+def engine_parameter_checksums(url: str, names) -> list[dict[str, str]]:
+    """engine_checksums restricted to `names` (its buffers, e.g. rotary tables, never change);
+    a name the engine does not report maps to None."""
+    return [{name: rank.get(name) for name in names} for rank in engine_checksums(url)]

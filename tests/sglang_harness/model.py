@@ -37,9 +37,7 @@ def _attach_sglang_methods(model: torch.nn.Module) -> None:
         loaded = set()
         with torch.no_grad():
             for name, tensor in weights:
-                target = params.get(name)
-                if target is None:
-                    target = _fused_expert_slice(params, name)
+                target = resolve_param(params, name)
                 if target is not None:
                     default_weight_loader(target, tensor)
                     loaded.add(name)
@@ -55,9 +53,12 @@ def _attach_sglang_methods(model: torch.nn.Module) -> None:
     model.get_weights_by_name = get_weights_by_name
 
 
-def _fused_expert_slice(params: dict[str, torch.nn.Parameter], name: str) -> torch.Tensor | None:
-    """The view of a fused expert parameter that the per-expert checkpoint tensor `name` fills
-    (`...mlp.experts.{e}.gate_proj.weight` -> gate_up_proj[e, :I]), or None."""
+def resolve_param(params: dict[str, torch.nn.Parameter], name: str) -> torch.Tensor | None:
+    """The parameter (or the view of a fused expert parameter) that the checkpoint tensor `name`
+    fills, or None for a name the model does not know (`...mlp.experts.{e}.gate_proj.weight` ->
+    gate_up_proj[e, :I])."""
+    if name in params:
+        return params[name]
     prefix, sep, rest = name.partition(".mlp.experts.")
     parts = rest.split(".")
     if not sep or len(parts) != 3 or not parts[0].isdigit() or parts[2] != "weight":

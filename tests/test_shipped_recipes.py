@@ -1,0 +1,234 @@
+"""Every shipped recipe runs on CPU with its own settings: each cluster recipe's first GRPO step
+and first weight sync, with its rollout, sync, placement, router, staleness and loss settings, into
+SGLang's own server code (tests/sglang_harness) given by URL as slurm/ starts them; only what a CPU
+cannot hold is shrunk (CpuShrink: a tiny model of the same architecture, fewer trainer ranks and
+engines, short sequences, a task a random model gets partial credit on). After the step every TP
+rank of every engine holds bitwise the trainer's trained weights.
+
+A recipe in recipes/ that no test runs fails test_every_recipe_is_run_by_a_test."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from megatron_grpo.testing.distributed import run_distributed
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class CpuShrink:
+    """What replaces the parts of a cluster recipe a CPU cannot hold; the rest is the recipe's."""
+
+    architecture: str  # a tiny random model of this HF model_type (megatron_grpo/models/tiny.py)
+    world_size: int  # trainer ranks (gloo), one per emulated GPU
+    parallel: dict[str, int]  # the recipe's parallel.* scaled down (TP 8 -> 2, EP 8 -> 2)
+    engines: int  # harness engines, given by URL (in placement order for colocated ones)
+    engine_tp: int
+    why: str  # what was scaled, in words
+    extra: tuple[str, ...] = ()  # recipe-specific overrides (what the shrunk sizes force)
+    # GSM8K / MATH prompts need a model that can do arithmetic: a random model on them gets reward 0
+    # for every sample, so no gradient. The synthetic reverse task gives partial credit per digit.
+    task: tuple[str, ...] = ("data.task=reverse", "data.task_kwargs={min_digits: 3, max_digits: 3, num_symbols: 4}",
+                             "data.train_files=[]", "data.val_files=[]", "reward.function=synthetic")
+
+
+CLUSTER_RECIPES: dict[str, CpuShrink] = {
+    "qwen3_8b_gsm8k": CpuShrink(
+        "qwen3", 4, {"tensor": 2}, engines=4, engine_tp=1,
+        why="TP2 x DP4 on 8 GPUs with 8 colocated engines -> TP2 x DP2 on 4 with 4"),
+    "qwen3_8b_gsm8k_tool": CpuShrink(
+        "qwen3", 4, {"tensor": 2}, engines=4, engine_tp=1, why="as qwen3_8b_gsm8k",
+        # the environment's system prompt and tool schema alone are ~200 tokens of the tiny tokenizer
+        extra=("data.max_prompt_length=384", "data.max_response_length=24",
+               "rollout.multi_turn.max_new_tokens_per_turn=8"),
+        task=("data.task=reverse", "data.task_kwargs={min_digits: 3, max_digits: 3, num_symbols: 4}",
+              "data.train_files=[]", "data.val_files=[]")),  # the environment scores (python_gsm8k)
+    "qwen3_32b_math": CpuShrink(
+        "qwen3", 4, {"tensor": 2}, engines=2, engine_tp=2,
+        why="TP8 x DP2 on 16 GPUs, 8 dedicated engines of tp 2 -> TP2 x DP2, 2 engines of tp 2"),
+    "llama3_70b_gsm8k": CpuShrink(
+        "llama", 4, {"tensor": 2, "pipeline": 2}, engines=2, engine_tp=2,
+        why="TP8 x PP2 x DP2 on 32 GPUs, 8 dedicated engines of tp 4 -> TP2 x PP2, 2 engines of tp 2"),
+    "qwen3_30b_a3b_gsm8k": CpuShrink(
+        "qwen3_moe", 4, {"tensor": 2, "expert": 2}, engines=1, engine_tp=2,
+        why="TP2 x EP8 x DP8 on 16 GPUs, 8 dedicated engines of tp 2 -> TP2 x EP2 x DP2, 1 engine of tp 2"),
+}
+
+# Recipes run by the local engine, and the test that trains each.
+LOCAL_RECIPES = {
+    "tiny_cpu": "tests/test_trainer_e2e.py::test_tiny_recipe_learns",
+    "tiny_cpu_moe": "tests/test_moe_train_e2e.py::test_moe_recipe_trains_at_ep2_with_routing_replay",
+    "tiny_cpu_tool": "tests/test_multi_turn.py::test_trainer_logprobs_equal_the_engines_over_multi_turn_trajectories",
+}
+DEFAULTS_ONLY = {"base"}  # merged into others, never run alone
+
+
+def test_every_recipe_is_run_by_a_test():
+    shipped = {p.stem for p in (REPO / "recipes").glob("*.yaml")}
+    assert shipped == set(CLUSTER_RECIPES) | set(LOCAL_RECIPES) | DEFAULTS_ONLY, \
+        "a recipe without a test here (add it to CLUSTER_RECIPES or LOCAL_RECIPES), or a stale entry"
+    for recipe, test in LOCAL_RECIPES.items():
+        path, name = test.split("::")
+        assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), f"{recipe}: {test} does not exist"
+    from megatron_grpo.config import load_config
+
+    for recipe in CLUSTER_RECIPES:
+        assert load_config(recipe).rollout.engine == "sglang", recipe
+
+
+# ----- the run ----------------------------------------------------------------------------------
+def _first_step(rank, world_size, recipe, overrides, skip_engine=None):
+    """Runs `recipe` with `overrides` for one step (trainer.loop.train); rank 0 returns the
+    trainer's HF tensors before and after it and the step's metrics. `skip_engine`: the ranks
+    feeding that colocated engine push nothing (a broken push)."""
+    from megatron_grpo.config import load_config, validate
+    from megatron_grpo.convert.export import gather_hf_weights_on_rank0
+    from megatron_grpo.rollout.sglang.weight_sync import SyncStats
+    from megatron_grpo.trainer import loop
+
+    captured = {}
+    build_run, grpo_step = loop.build_run, loop.grpo_step
+
+    def hf_weights(run):
+        tensors = {name: tensor.clone() for name, tensor in gather_hf_weights_on_rank0(run.policy, run.model_config)}
+        return tensors if rank == 0 else None
+
+    def capture_build(cfg):
+        run = build_run(cfg)
+        if skip_engine is not None and run.stage_sync.sink is not None and f"engine {skip_engine} " in \
+                run.stage_sync.role.label:
+            run.stage_sync.sink.push = lambda tensors, version: SyncStats()
+        captured["initial"] = hf_weights(run)
+        return run
+
+    def capture_step(run, step, *args):
+        metrics = grpo_step(run, step, *args)
+        captured["trained"] = hf_weights(run)
+        return metrics
+
+    loop.build_run, loop.grpo_step = capture_build, capture_step
+    cfg = load_config(recipe, overrides)
+    validate(cfg, world_size=world_size, ranks_per_node=world_size)
+    out = loop.train(cfg)
+    if rank != 0:
+        return None
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"initial": captured["initial"], "trained": captured["trained"], "records": records}
+
+
+class Fleets:
+    """Harness engines per (architecture, count, tp), started once for the module; each serves the
+    tiny policy folder of its architecture (the trainer starts from the same folder, as slurm/
+    gives HF_MODEL to both)."""
+
+    def __init__(self, root: Path):
+        self.root, self.policies, self.launchers = root, {}, {}
+
+    def policy(self, architecture: str) -> Path:
+        if architecture not in self.policies:
+            from megatron_grpo.data.synthetic import build_tokenizer
+            from megatron_grpo.models.tiny import save_tiny_hf_model
+
+            folder = save_tiny_hf_model(architecture, self.root / architecture, seed=0)
+            build_tokenizer(folder)
+            self.policies[architecture] = folder
+        return self.policies[architecture]
+
+    def urls(self, architecture: str, engines: int, tp: int) -> list[str]:
+        from tests.sglang_harness.fixtures import launch_servers, server_settings
+
+        key = (architecture, engines, tp)
+        if key not in self.launchers:  # engine k on emulated GPUs k*tp.. (rollout/sglang/colocated.py)
+            settings = [server_settings(self.policy(architecture), tp_size=tp,
+                                        extra_args=("--base-gpu-id", str(k * tp))) for k in range(engines)]
+            self.launchers[key] = launch_servers(self.root / "logs" / "-".join(map(str, key)), settings)
+        return [server.url for server in self.launchers[key].servers]
+
+    def close(self) -> None:
+        for launcher in self.launchers.values():
+            launcher.shutdown(grace_s=2)
+
+
+@pytest.fixture(scope="module")
+def fleets(tmp_path_factory):
+    fleets = Fleets(tmp_path_factory.mktemp("fleets"))
+    yield fleets
+    fleets.close()
+
+
+@dataclass
+class RecipeRun:
+    recipe: str
+    shrink: CpuShrink
+    policy: Path
+    urls: list[str]
+    out: dict = field(default_factory=dict)
+
+
+def run_recipe(recipe: str, fleets: Fleets, tmp_path: Path, extra: tuple[str, ...] = (),
+               skip_engine: int | None = None) -> RecipeRun:
+    """The recipe's first step at its CpuShrink, with a real sglang-router in front of the engines
+    when the recipe has one (started here, as slurm/ starts it, and given by URL)."""
+    from megatron_grpo.config import load_config
+    from tests.sglang_harness.fixtures import launch_router
+
+    shrink = CLUSTER_RECIPES[recipe]
+    policy, urls = fleets.policy(shrink.architecture), fleets.urls(shrink.architecture, shrink.engines,
+                                                                   shrink.engine_tp)
+    cfg = load_config(recipe)
+    mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size  # kept: one prompt each
+    overrides = [
+        f"model.path={policy}", "model.dtype=float32", "model.make_vocab_size_divisible_by=8",
+        *[f"parallel.{key}={value}" for key, value in shrink.parallel.items()],
+        *shrink.task, "data.max_prompt_length=32", "data.max_response_length=8",
+        f"data.train_batch_size={mini_batches}", "actor.ppo_mini_batch_size=1",
+        # a tiny random model moves visibly in one step only with a large learning rate, from step 1
+        "actor.optim.lr=1e-3", "actor.optim.lr_warmup_steps=0",
+        "reward.num_workers=2", "trainer.device=cpu", "trainer.total_steps=1",
+        f"logging.output_dir={tmp_path / 'run'}", "logging.plot=false",
+        f"rollout.sglang.urls=[{','.join(urls)}]", f"rollout.sglang.num_engines={len(urls)}",
+        f"rollout.sglang.tp_size={shrink.engine_tp}", *shrink.extra, *extra]
+    router = None
+    if cfg.rollout.sglang.router:
+        router = launch_router(tmp_path / "router", urls, cfg.rollout.sglang.router_policy)
+        overrides.append(f"rollout.sglang.router_url={router.router.url}")
+    try:
+        out = run_distributed(_first_step, shrink.world_size, (recipe, overrides, skip_engine), timeout=600)[0]
+    finally:
+        if router is not None:
+            router.shutdown(grace_s=2)
+    return RecipeRun(recipe, shrink, policy, urls, out)
+
+
+def engines_hold(run: RecipeRun) -> list[str]:
+    """The (engine, TP rank) pairs whose weights are not bitwise the trainer's after step 1."""
+    from tests.sglang_harness.fixtures import engine_parameter_checksums, harness_checksums
+
+    want = harness_checksums(run.policy, run.out["trained"])
+    return [f"engine {k} ({url}) TP rank {j}" for k, url in enumerate(run.urls)
+            for j, got in enumerate(engine_parameter_checksums(url, want)) if got != want]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted(CLUSTER_RECIPES))
+def test_cluster_recipe_first_step_and_sync_on_cpu(recipe, fleets, tmp_path):
+    run = run_recipe(recipe, fleets, tmp_path)
+    [record] = [r for r in run.out["records"] if r.get("step") == 1]
+    assert record["rollout/weight_version_min"] == record["rollout/weight_version_max"] == 0
+    assert record["actor/logprob_abs_diff_max"] < 1e-4  # step 1 sampled with the pushed start weights
+    changed = [n for n, t in run.out["trained"].items() if not t.equal(run.out["initial"][n])]
+    assert len(changed) >= 0.9 * len(run.out["trained"]), "the step moved almost no weights"
+    assert engines_hold(run) == []
+
+
+@pytest.mark.slow
+def test_one_colocated_engine_left_out_fails_the_check(fleets, tmp_path):
+    """The 8B recipe with engine 3's feeding rank pushing nothing (and the product's own weight
+    verification off, which would stop the run first): the check above names exactly engine 3."""
+    run = run_recipe("qwen3_8b_gsm8k", fleets, tmp_path, extra=("rollout.sglang.verify_interval=0",), skip_engine=3)
+    assert engines_hold(run) == [f"engine 3 ({run.urls[3]}) TP rank 0"]
