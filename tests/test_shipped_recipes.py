@@ -134,7 +134,8 @@ class Fleets:
             from megatron_grpo.data.synthetic import build_tokenizer
             from megatron_grpo.models.tiny import save_tiny_hf_model
 
-            folder = save_tiny_hf_model(architecture, self.root / architecture, seed=0)
+            # a context for the tool recipe's system prompt and tool schema
+            folder = save_tiny_hf_model(architecture, self.root / architecture, seed=0, max_position_embeddings=512)
             build_tokenizer(folder)
             self.policies[architecture] = folder
         return self.policies[architecture]
