@@ -121,6 +121,17 @@ def _first_step(rank, world_size, recipe, overrides, skip_engine=None):
     return {"initial": captured["initial"], "trained": captured["trained"], "records": records}
 
 
+def tiny_policy(architecture: str, folder: Path) -> Path:
+    """A tiny random HF model of `architecture` with the synthetic tasks' tokenizer."""
+    from megatron_grpo.data.synthetic import build_tokenizer
+    from megatron_grpo.models.tiny import save_tiny_hf_model
+
+    # a context for the tool recipe's system prompt and tool schema
+    folder = save_tiny_hf_model(architecture, folder, seed=0, max_position_embeddings=512)
+    build_tokenizer(folder)
+    return folder
+
+
 class Fleets:
     """Harness engines per (architecture, count, tp), started once for the module; each serves the
     tiny policy folder of its architecture (the trainer starts from the same folder, as slurm/
@@ -131,13 +142,7 @@ class Fleets:
 
     def policy(self, architecture: str) -> Path:
         if architecture not in self.policies:
-            from megatron_grpo.data.synthetic import build_tokenizer
-            from megatron_grpo.models.tiny import save_tiny_hf_model
-
-            # a context for the tool recipe's system prompt and tool schema
-            folder = save_tiny_hf_model(architecture, self.root / architecture, seed=0, max_position_embeddings=512)
-            build_tokenizer(folder)
-            self.policies[architecture] = folder
+            self.policies[architecture] = tiny_policy(architecture, self.root / architecture)
         return self.policies[architecture]
 
     def urls(self, architecture: str, engines: int, tp: int) -> list[str]:
@@ -171,6 +176,25 @@ class RecipeRun:
     out: dict = field(default_factory=dict)
 
 
+def cpu_overrides(recipe: str, policy: Path, output_dir: Path) -> list[str]:
+    """The recipe's CpuShrink as overrides, engines aside (see run_recipe); shared with the Slurm
+    test of the 8B script."""
+    from megatron_grpo.config import load_config
+
+    shrink = CLUSTER_RECIPES[recipe]
+    cfg = load_config(recipe)
+    mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size  # kept: one prompt each
+    return [
+        f"model.path={policy}", "model.dtype=float32", "model.make_vocab_size_divisible_by=8",
+        *[f"parallel.{key}={value}" for key, value in shrink.parallel.items()],
+        *shrink.task, "data.max_prompt_length=32", "data.max_response_length=8",
+        f"data.train_batch_size={mini_batches}", "actor.ppo_mini_batch_size=1",
+        # a tiny random model moves visibly in one step only with a large learning rate, from step 1
+        "actor.optim.lr=1e-3", "actor.optim.lr_warmup_steps=0",
+        "reward.num_workers=2", "trainer.device=cpu", "trainer.total_steps=1",
+        f"logging.output_dir={output_dir}", "logging.plot=false", *shrink.extra]
+
+
 def run_recipe(recipe: str, fleets: Fleets, tmp_path: Path, extra: tuple[str, ...] = (),
                skip_engine: int | None = None) -> RecipeRun:
     """The recipe's first step at its CpuShrink, with a real sglang-router in front of the engines
@@ -181,22 +205,12 @@ def run_recipe(recipe: str, fleets: Fleets, tmp_path: Path, extra: tuple[str, ..
     shrink = CLUSTER_RECIPES[recipe]
     policy, urls = fleets.policy(shrink.architecture), fleets.urls(shrink.architecture, shrink.engines,
                                                                    shrink.engine_tp)
-    cfg = load_config(recipe)
-    mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size  # kept: one prompt each
-    overrides = [
-        f"model.path={policy}", "model.dtype=float32", "model.make_vocab_size_divisible_by=8",
-        *[f"parallel.{key}={value}" for key, value in shrink.parallel.items()],
-        *shrink.task, "data.max_prompt_length=32", "data.max_response_length=8",
-        f"data.train_batch_size={mini_batches}", "actor.ppo_mini_batch_size=1",
-        # a tiny random model moves visibly in one step only with a large learning rate, from step 1
-        "actor.optim.lr=1e-3", "actor.optim.lr_warmup_steps=0",
-        "reward.num_workers=2", "trainer.device=cpu", "trainer.total_steps=1",
-        f"logging.output_dir={tmp_path / 'run'}", "logging.plot=false",
-        f"rollout.sglang.urls=[{','.join(urls)}]", f"rollout.sglang.num_engines={len(urls)}",
-        f"rollout.sglang.tp_size={shrink.engine_tp}", *shrink.extra, *extra]
+    overrides = [*cpu_overrides(recipe, policy, tmp_path / "run"),
+                 f"rollout.sglang.urls=[{','.join(urls)}]", f"rollout.sglang.num_engines={len(urls)}",
+                 f"rollout.sglang.tp_size={shrink.engine_tp}", *extra]
     router = None
-    if cfg.rollout.sglang.router:
-        router = launch_router(tmp_path / "router", urls, cfg.rollout.sglang.router_policy)
+    if load_config(recipe).rollout.sglang.router:
+        router = launch_router(tmp_path / "router", urls, load_config(recipe).rollout.sglang.router_policy)
         overrides.append(f"rollout.sglang.router_url={router.router.url}")
     try:
         out = run_distributed(_first_step, shrink.world_size, (recipe, overrides, skip_engine), timeout=600)[0]

@@ -61,10 +61,12 @@ def slurm():
         pytest.skip(reason)
     was_running = os.path.exists(SLURM_CONF) and _cluster_running()
 
-    def start(nodes: int, gpus: int = 0) -> None:
+    def start(nodes: int, gpus: int = 0, cpus: int | None = None) -> None:
+        settings = dict(SLURM_LOCAL_NODES=str(nodes), SLURM_LOCAL_GPUS=str(gpus))
+        if cpus is not None:
+            settings["SLURM_LOCAL_CPUS"] = str(cpus)  # what each node claims (the real cores are shared)
         result = subprocess.run(["timeout", "180", "bash", str(REPO / "scripts/start_local_slurm.sh")],
-                                env=_env(SLURM_LOCAL_NODES=str(nodes), SLURM_LOCAL_GPUS=str(gpus)),
-                                capture_output=True, text=True)
+                                env=_env(**settings), capture_output=True, text=True)
         assert result.returncode == 0, f"start_local_slurm.sh failed:\n{result.stdout}\n{result.stderr}"
 
     yield start
@@ -73,14 +75,15 @@ def slurm():
                        capture_output=True, text=True)
 
 
-def _sbatch(tmp_path: Path, sbatch_args: list[str], overrides: list[str], **env: str) -> Path:
-    """Runs slurm/grpo_tiny_cpu.sh with sbatch --wait; returns the run folder."""
-    cmd = ["timeout", "420", "sbatch", "--wait", f"--output={tmp_path}/slurm-%j.out", *sbatch_args,
-           str(REPO / "slurm/grpo_tiny_cpu.sh"), f"trainer.total_steps={STEPS}", "logging.console=false",
+def _sbatch(tmp_path: Path, sbatch_args: list[str], overrides: list[str], script: str = "grpo_tiny_cpu.sh",
+            **env: str) -> Path:
+    """Runs slurm/<script> with sbatch --wait; returns the run folder."""
+    cmd = ["timeout", "600", "sbatch", "--wait", f"--output={tmp_path}/slurm-%j.out", *sbatch_args,
+           str(REPO / "slurm" / script), f"trainer.total_steps={STEPS}", "logging.console=false",
            "logging.plot=false", *overrides]
     result = subprocess.run(cmd, cwd=tmp_path, env=_env(OUTPUT_ROOT=str(tmp_path / "runs"), **env),
                             capture_output=True, text=True)
-    runs = sorted((tmp_path / "runs").glob("grpo-tiny-cpu-*"))
+    runs = sorted((tmp_path / "runs").glob("grpo-*"))
     details = [result.stdout, result.stderr] + [p.read_text() for p in tmp_path.glob("slurm-*.out")]
     for run in runs:
         details += [f"---- {p}\n{p.read_text()[-3000:]}" for p in sorted((run / "logs").glob("*.log"))]
@@ -164,3 +167,43 @@ def test_sbatch_two_nodes_with_engines_and_trap(slurm, tmp_path: Path) -> None:
     ranks = sorted((run / "logs").glob("trainer-*.log"))
     assert [p.name for p in ranks] == ["trainer-0.log", "trainer-1.log"]
     assert "rank 0/2 (local 0/1, slurm)" in ranks[0].read_text()  # one task on each node
+
+
+def test_sbatch_qwen3_8b_colocated_with_harness_engines(slurm, tmp_path: Path) -> None:
+    """The mission's first command, `sbatch slurm/grpo_qwen3_8b.sh` with its own recipe, on one
+    emulated node of 4 GPUs: the script starts 4 SGLang engines (SGLang's own server code, the
+    tests' CPU scheduler) on the trainer's node with --base-gpu-id 0..3 and --enable-memory-saver,
+    waits for them, hands their URLs to a TP2 x DP2 trainer of 4 srun tasks, which feeds each engine
+    from the rank on its GPU (weight_sync=tensor) for 2 steps. Shrunk as
+    tests/test_shipped_recipes.py shrinks the recipe (CpuShrink), and 4 GPUs instead of 8."""
+    from tests.sglang_harness.fixtures import HARNESS_FLAGS, SERVER_MODULE, harness_env, sglang_python
+    from tests.test_shipped_recipes import cpu_overrides, tiny_policy
+
+    slurm(nodes=1, gpus=4, cpus=8)
+    policy = tiny_policy("qwen3", tmp_path / "qwen3")
+    port = free_port()
+    overrides = [o for o in cpu_overrides("qwen3_8b_gsm8k", policy, tmp_path / "unused")
+                 if not o.startswith(("logging.output_dir=", "trainer.total_steps=", "model.path="))]
+    overrides.append("rollout.sglang.num_engines=4")
+    harness = harness_env()
+    run = _sbatch(tmp_path, ["--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=1"], overrides,
+                  script="grpo_qwen3_8b.sh", HF_MODEL=str(policy), GRPO_PYTHON=sglang_python(),
+                  SGLANG_MODULE=SERVER_MODULE, SGLANG_EXTRA_ARGS=" ".join(HARNESS_FLAGS), SGLANG_PORT=str(port),
+                  SGLANG_STARTUP_TIMEOUT_S="300",
+                  **{k: v for k, v in harness.items() if k != "PYTHONPATH"},
+                  PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    _assert_every_step(run)
+    batch_log = (run / "logs/batch.log").read_text()
+    assert "placement colocated, trainer 1 node(s) x 4 task(s), 4 engine(s)" in batch_log
+    commands = [(run / f"logs/launch-sglang-{k}.log").read_text().splitlines()[0] for k in range(4)]
+    for k, command in enumerate(commands):
+        assert f"--base-gpu-id {k * 1} " in command and "--enable-memory-saver" in command, command
+    assert "stopped servers: sglang-0 sglang-1 sglang-2 sglang-3" in batch_log
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # step 2 sampled (round-robin over the 4 engines) with the weights each engine got from the
+    # rank on its GPU after step 1; the step moved the weights, so a stale engine would show here
+    assert records[1]["rollout/weight_version_min"] == records[1]["rollout/weight_version_max"] == 1
+    assert records[1]["actor/logprob_abs_diff_max"] < 1e-4, records[1]["actor/logprob_abs_diff_max"]
+    assert records[0]["actor/grad_norm"] > 0
+    trainer_log = (run / "logs/trainer-0.log").read_text()
+    assert "rank 0/4 (local 0/4, slurm)" in trainer_log

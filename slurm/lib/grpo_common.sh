@@ -157,6 +157,8 @@ grpo_plan() {
             GRPO_ENGINE_NODES=("${GRPO_NODES[@]:GRPO_NNODES-need_nodes}")
         else
             [ "$need_nodes" -le "$GRPO_NNODES" ] || grpo_die "colocated engines: $n engines x tp $tp need $((n * tp)) GPUs, the job has $((GRPO_NNODES * G))"
+            # weight_sync=tensor: the trainer rank on each engine GPU feeds it (rollout/sglang/colocated.py)
+            [ "$R_WEIGHT_SYNC" != tensor ] || [ "$GRPO_TASKS_PER_NODE" = "$G" ] || grpo_die "colocated engines with weight_sync=tensor need one trainer task per GPU (TASKS_PER_NODE=$GRPO_TASKS_PER_NODE, GPUS_PER_NODE=$G)"
             GRPO_ENGINE_NODES=("${GRPO_NODES[@]:0:need_nodes}")
         fi
         local base_port=${SGLANG_PORT:-$R_PORT} stride=${SGLANG_PORT_STRIDE:-10} k j first gpus

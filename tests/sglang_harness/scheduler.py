@@ -25,9 +25,10 @@ the CPU memory saver (releasing `weights` zeroes them: SGLang drops their conten
 """
 from __future__ import annotations
 
-from tests.sglang_harness import torchvision_stub
+from tests.sglang_harness import memory_saver_stub, torchvision_stub
 
 torchvision_stub.install()
+memory_saver_stub.install()
 
 import logging  # noqa: E402
 import signal  # noqa: E402

@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 import sys
 
-from tests.sglang_harness import torchvision_stub
+from tests.sglang_harness import memory_saver_stub, torchvision_stub
 
 torchvision_stub.install()
+memory_saver_stub.install()  # before sglang is imported: --enable-memory-saver
 
 
 def main(argv: list[str] | None = None) -> None:
