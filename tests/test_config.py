@@ -384,6 +384,42 @@ def test_world_size_checks():
         "8 sequences per data-parallel rank per mini-batch are not divisible by actor.ppo_micro_batch_size_per_gpu=3")
 
 
+COLOCATED = ["rollout.engine=sglang", "rollout.sglang.weight_sync=tensor"]
+
+
+def test_colocated_placement_checks_at_config_time():
+    """weight_sync=tensor puts each engine TP rank on a trainer GPU: checked with the world size
+    (and the ranks per node) before anything starts, as `config show --world-size` and every
+    trainer rank check it."""
+    urls = "rollout.sglang.urls=[http://a:1,http://a:2,http://b:1,http://b:2]"
+    validate(valid(*COLOCATED, urls), world_size=4, ranks_per_node=2)  # 2 engines on each of 2 nodes
+    validate(valid(*COLOCATED, urls), world_size=8, ranks_per_node=8)  # 4 engines on 8 GPUs: GPUs 4-7 host none
+    assert error_of(validate, valid(*COLOCATED, urls), world_size=2) == (
+        "4 colocated engine(s) x rollout.sglang.tp_size=1 (rollout.sglang.weight_sync=tensor: every engine GPU is "
+        "a trainer GPU) need 4 GPUs; the trainer has 2 ranks")
+    assert "tp_size 4 does not divide the 6 trainer GPUs of a node" in error_of(
+        validate, valid(*COLOCATED, "rollout.sglang.tp_size=4"), world_size=12, ranks_per_node=6)
+    assert "engines launched by the trainer run on rank 0's node, which has 4 trainer GPUs" in error_of(
+        validate, valid(*COLOCATED, "rollout.sglang.num_engines=8"), world_size=8, ranks_per_node=4)
+    assert "weight_sync_route=colocated feeds SGLang engines on the trainer's GPUs" in error_of(
+        validate, valid("rollout.engine=sglang", "rollout.weight_sync_route=colocated"))
+
+
+def test_shipped_cluster_recipes_validate_at_their_layout():
+    """Each sbatch recipe at the world size and GPUs per node of its script's #SBATCH header."""
+    for recipe, nodes, per_node in (("qwen3_8b_gsm8k", 1, 8), ("qwen3_8b_gsm8k_tool", 1, 8),
+                                    ("qwen3_32b_math", 2, 8), ("llama3_70b_gsm8k", 4, 8),
+                                    ("qwen3_30b_a3b_gsm8k", 2, 8)):
+        validate(load_config(recipe), world_size=nodes * per_node, ranks_per_node=per_node)
+
+
+def test_a_router_for_servers_given_by_url_needs_its_url():
+    assert "give the running router's rollout.sglang.router_url" in error_of(
+        validate, valid("rollout.engine=sglang", "rollout.sglang.router=true", "rollout.sglang.urls=[http://a:1]"))
+    validate(valid("rollout.engine=sglang", "rollout.sglang.router=true", "rollout.sglang.urls=[http://a:1]",
+                   "rollout.sglang.router_url=http://r:2"))
+
+
 MOE = ["model.override_config.model_type=qwen3_moe", "model.override_config.num_experts=8"]
 
 

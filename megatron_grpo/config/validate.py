@@ -218,6 +218,10 @@ def _sglang(c: Config, out: list[str]) -> None:
     for name in ("verify_interval", "health_check_interval_s"):
         if getattr(s, name) < 0:
             out.append(f"rollout.sglang.{name}={getattr(s, name)} must be >= 0 (0 = off)")
+    if s.router and s.urls and not s.router_url:
+        out.append("rollout.sglang.router=true with rollout.sglang.urls: the trainer launches a router only for "
+                   "the servers it launches itself; give the running router's rollout.sglang.router_url "
+                   "(slurm/ scripts do), or set router=false")
     engines = len(s.urls) or s.num_engines
     if not 1 <= s.min_engines <= engines:
         out.append(f"rollout.sglang.min_engines={s.min_engines} must be between 1 and the number of engines "
@@ -433,9 +437,6 @@ def _colocated_placement(c: Config, world_size: int, ranks_per_node: Optional[in
     elif not s.urls and engines * s.tp_size > ranks_per_node:
         out.append(f"{what}: engines launched by the trainer run on rank 0's node, which has {ranks_per_node} "
                    f"trainer GPUs; give the engines by rollout.sglang.urls (slurm/ scripts do) or use fewer")
-    elif engines > (world_size // ranks_per_node) * (ranks_per_node // s.tp_size):
-        out.append(f"{what} do not fit {ranks_per_node // s.tp_size} per node on {world_size // ranks_per_node} "
-                   f"node(s)")
 
 
 def _world(c: Config, world_size: int, out: list[str]) -> None:

@@ -198,21 +198,25 @@ grpo_engine_cmd() {
         --cpu-bind=none --job-name="sglang-$k" --open-mode=append --output="$GRPO_LOG_DIR/sglang-$k-$host.log")
 }
 
+grpo_router_url() { printf 'http://%s:%s' "${SGLANG_BIND_HOST:-$GRPO_BATCH_HOST}" "$R_ROUTER_PORT"; }
+
 grpo_router_cmd() {
     local urls=() k
     for ((k = 0; k < ${#GRPO_ENGINE_HOST[@]}; k++)); do urls+=("$(grpo_engine_url "$k")"); done
-    GRPO_ROUTER_URL="http://${SGLANG_BIND_HOST:-$GRPO_BATCH_HOST}:$R_ROUTER_PORT"
+    GRPO_ROUTER_URL=$(grpo_router_url)
     GRPO_CMD=("$GRPO_PYTHON" -m "${SGLANG_ROUTER_MODULE:-sglang_router.launch_router}" --host "${SGLANG_BIND_HOST:-$GRPO_BATCH_HOST}"
         --port "$R_ROUTER_PORT" --policy "$R_ROUTER_POLICY" --worker-urls "${urls[@]}")
 }
 
-# grpo_engine_overrides: GRPO_ENGINE_OVERRIDES, the engine URLs (in placement order) for the trainer
+# grpo_engine_overrides: GRPO_ENGINE_OVERRIDES, the engine URLs (in placement order) and the
+# router's URL for the trainer (and for the recipe check before anything starts)
 grpo_engine_overrides() {
     local k url_list=""
     GRPO_ENGINE_OVERRIDES=()
     if [ "${#GRPO_ENGINE_HOST[@]}" -gt 0 ]; then
         for ((k = 0; k < ${#GRPO_ENGINE_HOST[@]}; k++)); do url_list+="${url_list:+,}\"$(grpo_engine_url "$k")\""; done
         GRPO_ENGINE_OVERRIDES+=("rollout.sglang.urls=[$url_list]")
+        [ "$R_ROUTER" = 1 ] && GRPO_ENGINE_OVERRIDES+=("rollout.sglang.router_url=$(grpo_router_url)")
     fi
     return 0
 }
@@ -221,7 +225,6 @@ grpo_trainer_cmd() {
     local overrides=("logging.output_dir=$GRPO_RUN_DIR")
     grpo_engine_overrides
     overrides+=("${GRPO_ENGINE_OVERRIDES[@]}")
-    [ -n "${GRPO_SGLANG_ROUTER_URL:-}" ] && overrides+=("rollout.sglang.router_url=$GRPO_SGLANG_ROUTER_URL")
     GRPO_CMD=("$GRPO_PYTHON" -m megatron_grpo.train "$RECIPE" "${overrides[@]}" "${GRPO_ARGS[@]}")
     local nodelist; nodelist=$(IFS=,; echo "${GRPO_TRAINER_NODES[*]}")
     GRPO_LAUNCH=(srun --nodes="$GRPO_TRAINER_NNODES" --ntasks-per-node="$GRPO_TASKS_PER_NODE"
@@ -411,7 +414,6 @@ grpo_main() {
             grpo_router_cmd
             grpo_start_bg router "$GRPO_LOG_DIR/router.log" "${GRPO_CMD[@]}"
             grpo_wait_healthy "$(( ${#GRPO_PIDS[@]} - 1 ))" /readiness "$GRPO_ROUTER_URL"
-            export GRPO_SGLANG_ROUTER_URL=$GRPO_ROUTER_URL   # for the trainer's /generate traffic
         fi
     fi
 
