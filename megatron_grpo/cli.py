@@ -80,7 +80,7 @@ def _add_config_parser(sub: argparse._SubParsersAction) -> None:
     keys = config.add_parser("keys", help="list every config key with its type and default")
     keys.set_defaults(run=_config_keys)
     _from_verl_parser(config)
-    verl_keys = config.add_parser("verl-keys", help="print the verl key table (markdown, as in the README)")
+    verl_keys = config.add_parser("verl-keys", help="print the verl key table (markdown, as in docs/verl.md)")
     verl_keys.set_defaults(run=_config_verl_keys)
 
 

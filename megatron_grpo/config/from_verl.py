@@ -1,5 +1,5 @@
 """`megatron-grpo config from-verl`: a verl command line or YAML -> a recipe here, through the one
-table in verl_keys.py; and that table as markdown (`config verl-keys`, the README's table).
+table in verl_keys.py; and that table as markdown (`config verl-keys`, the table in docs/verl.md).
 
 Command lines are read as verl's examples write them: the arguments alone, or the whole line
 (`python3 -m verl.trainer.main_ppo --config-name=... key=value ...`, also as one quoted string with
@@ -184,7 +184,7 @@ def render_recipe(translation: VerlTranslation) -> str:
 # ---------------------------------------------------------------- the table as markdown
 
 def markdown_table() -> str:
-    """The README's "Coming from verl" tables: every verl key that translates, then the keys with no
+    """docs/verl.md's tables: every verl key that translates, then the keys with no
     equivalent grouped by reason."""
     lines = [f"verl {VERL_VERSION} key | here | notes", "--- | --- | ---"]
     for row in TABLE:

@@ -1,5 +1,5 @@
 """verl's config keys and what each is here: one table behind `config from-verl`, the "verl's X is Y
-here" hints for unknown keys, and the README's "Coming from verl" table (`config verl-keys`).
+here" hints for unknown keys, and the table of docs/verl.md (`config verl-keys`).
 
 The table covers every key of verl 0.9.1's ppo_trainer.yaml and ppo_megatron_trainer.yaml (their
 flattened forms, _generated_ppo_trainer.yaml / _generated_ppo_megatron_trainer.yaml): each key

@@ -37,7 +37,7 @@ class ServerSettings:
     api_key: str | None = None
     enable_memory_saver: bool = False
     base_gpu_id: int | None = None  # the engine's first GPU (colocated engines: rollout/sglang/colocated.py)
-    # SGLang ignores sampling_seed without it; costs throughput (see the README's SGLang section).
+    # SGLang ignores sampling_seed without it; costs throughput (docs/rollout.md: seeded rollouts).
     enable_deterministic_inference: bool = False
     extra_args: tuple[str, ...] = ()
     # What starts one server; its flags follow. Tests point it at the SGLang test harness.
