@@ -186,7 +186,7 @@ def run_ours(settings: Settings, model_dir: Path, work: Path, profile: Path | No
                 profiler = cProfile.Profile()
                 profiler.enable()
             start = time.perf_counter()
-            metrics = grpo_step(run, step) if pipeline is None else grpo_step(run, step, pipeline)
+            metrics = grpo_step(run, step, pipeline)
             seconds = time.perf_counter() - start
             if not measured:
                 continue

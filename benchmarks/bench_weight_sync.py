@@ -66,7 +66,8 @@ def _stage_sync_seconds(rank, world_size, pp, route, model_dir, repeats):
     from megatron_grpo.launch import ParallelLayout, initialize_model_parallel
     from megatron_grpo.models import ModelConfig, build_model as build_megatron
     from megatron_grpo.rollout.engine_process import EngineSpec, ProcessEngine
-    from megatron_grpo.trainer.stage_sync import StageSync, all_gather
+    from megatron_grpo.launch.collectives import all_gather_objects as all_gather
+    from megatron_grpo.trainer.stage_sync import StageSync
     from megatron_grpo.trainer.weight_sync import sync_weights
 
     torch.set_num_threads(1)

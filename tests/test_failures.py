@@ -62,9 +62,9 @@ def _train_with_poisoned_steps(rank, world_size, overrides, poisoned_steps):
     state = {"step": 0}
     grpo_step, compute_loss, build_run = loop.grpo_step, train_step.compute_grpo_loss, loop.build_run
 
-    def tracking_step(run, step):
+    def tracking_step(run, step, pipeline=None):
         state["step"] = step
-        return grpo_step(run, step)
+        return grpo_step(run, step, pipeline)
 
     def poisoned_loss(*args, **kwargs):
         output = compute_loss(*args, **kwargs)

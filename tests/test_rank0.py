@@ -7,7 +7,7 @@ def _rank0_outcomes(rank, world_size):
     import torch.distributed as dist
 
     from megatron_grpo.errors import ConfigError, Rank0Failure
-    from megatron_grpo.launch.distributed import on_rank0, rank0_only
+    from megatron_grpo.launch.collectives import on_rank0, rank0_only
 
     def fails_with(error):
         def fn():

@@ -27,7 +27,8 @@ def _sync_into_sglang(rank, world_size, url, model_dir, break_stage):
     from megatron_grpo.rollout.sglang.http_json import request_json
     from megatron_grpo.rollout.sglang.weight_sync import DistributedTransport, EngineTarget
     from megatron_grpo.testing.distributed import free_port
-    from megatron_grpo.trainer.stage_sync import StageSync, all_gather
+    from megatron_grpo.launch.collectives import all_gather_objects as all_gather
+    from megatron_grpo.trainer.stage_sync import StageSync
     from megatron_grpo.trainer.weight_sync import sync_weights
     from tests.sglang_harness.fixtures import sglang_checksum
 

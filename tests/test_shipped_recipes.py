@@ -106,8 +106,8 @@ def _first_step(rank, world_size, recipe, overrides, skip_engine=None):
         captured["initial"] = hf_weights(run)
         return run
 
-    def capture_step(run, step, *args):
-        metrics = grpo_step(run, step, *args)
+    def capture_step(run, step, pipeline=None):
+        metrics = grpo_step(run, step, pipeline)
         captured["trained"] = hf_weights(run)
         return metrics
 

@@ -21,7 +21,8 @@ def _sync_per_stage(rank, world_size, layout, model_dir, other_dir):
     from megatron_grpo.rollout.engine_process import EngineSpec, ProcessEngine
     from megatron_grpo.rollout.local import LocalEngine
     from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
-    from megatron_grpo.trainer.stage_sync import StageSync, all_gather
+    from megatron_grpo.launch.collectives import all_gather_objects as all_gather
+    from megatron_grpo.trainer.stage_sync import StageSync
     from megatron_grpo.trainer.weight_sync import sync_weights
 
     tp, pp = layout

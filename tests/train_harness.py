@@ -31,8 +31,8 @@ def train_capturing(rank, world_size, overrides, stop_after=None, resave_dir=Non
         captured["run"] = build_run(cfg)
         return captured["run"]
 
-    def step_and_capture(run, step):
-        metrics = grpo_step(run, step)
+    def step_and_capture(run, step, pipeline=None):
+        metrics = grpo_step(run, step, pipeline)
         if run.is_main:
             captured["steps"][step] = engine_weights(run)
         if step == stop_after and rank == signal_rank:

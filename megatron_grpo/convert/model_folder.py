@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_grpo.checkpointing.layout import INITIAL_MODEL_DIR
 from megatron_grpo.convert.sources import is_convert_checkpoint, resolve_source
-from megatron_grpo.launch.distributed import broadcast_from_rank0
+from megatron_grpo.launch.collectives import broadcast_from_rank0
 
 SOURCE_RECORD = "megatron_source.json"
 

@@ -25,18 +25,15 @@ import os
 import platform
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.errors import LaunchError, MegatronGRPOError, Rank0Failure
+from megatron_grpo.errors import LaunchError
 from megatron_grpo.launch.env import MPI, SLURM, RankInfo, discover_ranks
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
 
 @dataclass(frozen=True)
 class DistributedContext:
@@ -194,42 +191,3 @@ def _register_exit_wait() -> None:
     if not _registered["exit_wait"]:
         atexit.register(wait_for_idle_gloo_workers)
         _registered["exit_wait"] = True
-
-
-def broadcast_from_rank0(value: Any) -> Any:
-    """Every rank gets global rank 0's `value` (a small picklable object; others pass anything)."""
-    holder = [value]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
-
-
-def on_rank0(fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args) on global rank 0; every rank returns its result (small and picklable), or raises
-    its error (see _rank0_call)."""
-    return broadcast_from_rank0(_rank0_call(fn, args))
-
-
-def rank0_only(fn: Callable[..., T], *args: Any) -> T | None:
-    """fn(*args) on global rank 0, whose result stays there (other ranks get None); its error is
-    raised on every rank (see _rank0_call). For what only rank 0 holds: the rollout engine, the
-    reward workers, the metric sinks."""
-    return _rank0_call(fn, args)
-
-
-def _rank0_call(fn: Callable[..., T], args: tuple) -> T | None:
-    """Collective: fn's result on rank 0, None elsewhere. A project error is raised on every rank;
-    any other exception is raised as itself on rank 0 (a traceback for a bug) and as Rank0Failure
-    naming it on the others."""
-    result, error = None, None
-    if dist.get_rank() == 0:
-        try:
-            result = fn(*args)
-        except MegatronGRPOError as exc:
-            error = exc
-        except BaseException as exc:
-            broadcast_from_rank0(Rank0Failure(f"rank 0 failed: {type(exc).__name__}: {exc}"))
-            raise
-    error = broadcast_from_rank0(error)
-    if error is not None:
-        raise error
-    return result

@@ -40,6 +40,7 @@ from megatron_grpo.checkpointing.layout import (COMPLETE_MARKER, CONFIG_FILE, FO
 from megatron_grpo.checkpointing.sharded import (READ_ERRORS, load_model_state, model_sharded_state_dict,
                                                  short_error)
 from megatron_grpo.errors import CheckpointError
+from megatron_grpo.launch.collectives import raise_if_any_failed
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +60,6 @@ def _rng_file(coords: dict[str, int]) -> str:
 
 class PartlyReadError(CheckpointError):
     """Reading a checkpoint failed after part of it was written into the live model."""
-
-
-def _agree(ok: bool, message: str, error: type[CheckpointError] = CheckpointError) -> None:
-    """Raises `error` on every rank when any rank failed (with the first failing rank's
-    message), so no rank is left waiting in a collective."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, None if ok else message)
-    failures = [(rank, m) for rank, m in enumerate(gathered) if m is not None]
-    if failures:
-        rank, first = failures[0]
-        raise error(first if dist.get_world_size() == 1 else f"rank {rank}: {first}")
 
 
 # ----------------------------------------------------------------------------- state pieces
@@ -173,7 +163,7 @@ class Checkpointer:
         rank = dist.get_rank()
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{step_dir_name(step)}"
-        ok, message = True, ""
+        failure = None
         if rank == 0:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -183,8 +173,8 @@ class Checkpointer:
                 (tmp / RNG_DIR).mkdir(parents=True)
                 (tmp / MODEL_OPTIM_DIR).mkdir()
             except OSError as exc:
-                ok, message = False, self._failure(step, exc)
-        _agree(ok, message)
+                failure = self._failure(step, exc)
+        raise_if_any_failed(failure, CheckpointError)
 
         try:
             state = training_sharded_state_dict(self.run, is_loading=False)
@@ -207,8 +197,8 @@ class Checkpointer:
                 layout.write_file(tmp / CONFIG_FILE, to_yaml(self.cfg).encode())
                 layout.write_file(tmp / RUN_FILE, (json.dumps(self.run.record, indent=1) + "\n").encode())
         except READ_ERRORS as exc:  # noqa: BLE001 - turned into one CheckpointError on every rank
-            ok, message = False, self._failure(step, exc)
-        _agree(ok, message)
+            failure = self._failure(step, exc)
+        raise_if_any_failed(failure, CheckpointError)
 
         if rank == 0:
             try:
@@ -229,10 +219,10 @@ class Checkpointer:
                 fsync_path(self.root)
                 write_atomic(self.root / LATEST_FILE, (final.name + "\n").encode())
             except Exception as exc:  # noqa: BLE001
-                ok, message = False, self._failure(step, exc)
+                failure = self._failure(step, exc)
                 if not final.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
-        _agree(ok, message)
+        raise_if_any_failed(failure, CheckpointError)
         if rank == 0:
             self._prune()
             log.info("checkpoint: saved %s", final)
@@ -317,12 +307,12 @@ class Checkpointer:
         from megatron_grpo.trainer.resume_plan import saved_optimizer_format
 
         path, trainer_state = candidate.path, candidate.trainer_state
-        ok, message, rng = True, "", None
+        failure, rng = None, None
         try:
             rng = self._read_rng(path, trainer_state)
         except READ_ERRORS as exc:  # noqa: BLE001 - a damaged file: skippable
-            ok, message = False, f"{RNG_DIR}: {type(exc).__name__}: {exc}"
-        _agree(ok, message)
+            failure = f"{RNG_DIR}: {type(exc).__name__}: {exc}"
+        raise_if_any_failed(failure, CheckpointError)
 
         optimizer = _inner_optimizer(self.run.optimizer)
         prepare_torch_adam_for_load(optimizer)
@@ -333,8 +323,8 @@ class Checkpointer:
             with dcp_bytes_weights_only():
                 loaded = dist_checkpointing.load(state, str(path / MODEL_OPTIM_DIR))
         except READ_ERRORS as exc:  # noqa: BLE001 - megatron/DCP raise assorted errors for bad shards
-            ok, message = False, f"cannot read {path / MODEL_OPTIM_DIR} ({short_error(exc)})"
-        _agree(ok, message, PartlyReadError)
+            failure = f"cannot read {path / MODEL_OPTIM_DIR} ({short_error(exc)})"
+        raise_if_any_failed(failure, PartlyReadError)
 
         # From here on failures are fatal, not skippable.
         load_model_state(self.run.policy, loaded)

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from megatron_grpo.algo import AdvantageConfig, GlobalBatchInfo, GRPOLossConfig, OffPolicyConfig, PolicyLossConfig
 from megatron_grpo.config import to_dict
 from megatron_grpo.config.schema import Config
-from megatron_grpo.errors import MegatronGRPOError, Rank0Failure, RolloutFailure
-from megatron_grpo.launch.distributed import broadcast_from_rank0, on_rank0, rank0_only
+from megatron_grpo.errors import RolloutFailure
+from megatron_grpo.launch.collectives import agree, attempt_on_rank0, on_rank0, rank0_only
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.trainer.batching import MicroBatch
 from megatron_grpo.trainer.flops import peak_flops_per_device, training_flops
@@ -62,8 +62,7 @@ def train(cfg: Config) -> Path:
                                        max_staleness=cfg.rollout.max_staleness).start()
         for step in range(start + 1, run.total_steps + 1):
             try:
-                # (the synchronous call keeps grpo_step(run, step), the form tests wrap)
-                metrics = grpo_step(run, step) if pipeline is None else grpo_step(run, step, pipeline)
+                metrics = grpo_step(run, step, pipeline)
             except RolloutFailure:
                 if step - 1 > start and not checkpoints.due(step - 1):
                     checkpoints.save(step - 1)  # keep the finished steps, then fail cleanly
@@ -99,22 +98,12 @@ def grpo_step(run: Run, step: int, pipeline: RolloutPipeline | None = None) -> d
 
     # 1. rollout + rewards + advantages on rank 0 (or the pipeline's batch); every rank gets the batch.
     with timer("rollout"):
-        batch = None
-        if run.is_main:
-            try:
-                if pipeline is not None:
-                    batch = pipeline.next_batch(step)
-                else:
-                    batch = collect_rollout_batch(run.engine, lambda: next(run.sampler), run.tokenizer, run.rewards,
-                                                  rollout_settings(cfg), step, cfg.data.train_batch_size)
-            except MegatronGRPOError as exc:  # e.g. every SGLang server gone: all ranks must stop
-                batch = RolloutFailure(str(exc))
-            except BaseException as exc:  # a bug: rank 0 raises it, the others stop with Rank0Failure
-                broadcast_from_rank0(Rank0Failure(f"rank 0 failed in the rollout: {type(exc).__name__}: {exc}"))
-                raise
-        batch = broadcast_from_rank0(batch)  # token ids and floats: small
-        if isinstance(batch, MegatronGRPOError):
-            raise batch
+        # token ids and floats (small) to every rank; rank 0's failure (e.g. every SGLang server
+        # gone) stops all of them as a RolloutFailure, which the loop checkpoints before
+        outcome = agree(attempt_on_rank0(_rollout_batch, run, step, pipeline) if run.is_main else None)
+        if outcome.error is not None:
+            raise RolloutFailure(str(outcome.error))
+        batch = outcome.value
     if run.is_main and cfg.rollout.engine == "sglang" and cfg.rollout.sglang.weight_sync == "tensor":
         run.engine.release_memory()  # colocated: give the GPU to training; resumed by the weight sync
     metrics = dict(batch.metrics)
@@ -173,6 +162,14 @@ def grpo_step(run: Run, step: int, pipeline: RolloutPipeline | None = None) -> d
     if peak:
         metrics["perf/mfu"] = per_device / metrics["time/train"] / peak
     return metrics
+
+
+def _rollout_batch(run: Run, step: int, pipeline: RolloutPipeline | None):
+    """Rank 0: this step's batch, from the pipeline (asynchronous) or generated now."""
+    if pipeline is not None:
+        return pipeline.next_batch(step)
+    return collect_rollout_batch(run.engine, lambda: next(run.sampler), run.tokenizer, run.rewards,
+                                 rollout_settings(run.config), step, run.config.data.train_batch_size)
 
 
 def rollout_settings(cfg: Config) -> RolloutSettings:

@@ -24,7 +24,7 @@ _EXPECTED = ("expected an HF model folder (config.json + *.safetensors), a `mega
 def prepare_model_folder(cfg: Config, output_dir: Path) -> Path:
     """Collective: the HF folder the policy starts from (model.path, or initial_model/ built on
     rank 0 if it is missing or stale)."""
-    from megatron_grpo.launch.distributed import on_rank0
+    from megatron_grpo.launch.collectives import on_rank0
 
     if cfg.model.path:  # an HF folder, or a `convert hf-to-megatron` checkpoint (exported to initial_model/)
         from megatron_grpo.convert.model_folder import hf_model_folder
@@ -60,7 +60,7 @@ def _resolved_model_path(value: str) -> Path:
     then find it in the cache (or download to their node's)."""
     import torch.distributed as dist
 
-    from megatron_grpo.launch.distributed import on_rank0
+    from megatron_grpo.launch.collectives import on_rank0
 
     path = on_rank0(local_model_folder, value)
     return path if dist.get_rank() == 0 else local_model_folder(value)

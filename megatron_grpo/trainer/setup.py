@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError, MegatronGRPOError
-from megatron_grpo.launch.distributed import broadcast_from_rank0, on_rank0, rank0_only
+from megatron_grpo.launch.collectives import broadcast_from_rank0, on_rank0, rank0_only
 
 if TYPE_CHECKING:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from megatron_grpo.config.schema import Config
 from megatron_grpo.convert.stage_export import StageRole, WholeModelRole
 from megatron_grpo.errors import ConfigError, MegatronGRPOError, RolloutFailure
-from megatron_grpo.launch.distributed import broadcast_from_rank0
+from megatron_grpo.launch.collectives import all_gather_objects, broadcast_from_rank0, raise_if_any_failed
 
 
 class StageSink(Protocol):
@@ -119,12 +119,13 @@ def connect_stage_sync(cfg: Config, rank0) -> StageSync | None:
         try:
             sink = opener()
         except MegatronGRPOError as exc:
-            error = f"{role.label}: {exc}"
-    errors = [e for e in all_gather(error) if e]
-    if errors:
+            error = f"the weight senders could not reach the rollout engines: {role.label}: {exc}"
+    try:
+        raise_if_any_failed(error, RolloutFailure)
+    except RolloutFailure:
         if sink is not None:
             sink.close()
-        raise RolloutFailure(f"the weight senders could not reach the rollout engines: {errors[0]}")
+        raise
     return StageSync(role=role, sink=sink, in_turn=bool(endpoint.push_in_turn))
 
 
@@ -136,7 +137,7 @@ def _colocated_sender(endpoint, bucket_bytes: int):
     from megatron_grpo.rollout.sglang.colocated import RankPlace, colocated_seats
 
     ranks = discover_ranks(os.environ)
-    places = all_gather(RankPlace(socket.gethostname(), ranks.local_rank, ranks.local_world_size))
+    places = all_gather_objects(RankPlace(socket.gethostname(), ranks.local_rank, ranks.local_world_size))
     tp_sizes = {t.tp_size for t in endpoint.targets}
     if len(tp_sizes) > 1:
         raise ConfigError(f"colocated engines serve with different tp_size ({sorted(tp_sizes)}); give them one")
@@ -151,10 +152,3 @@ def _colocated_sender(endpoint, bucket_bytes: int):
     role = WholeModelRole(label=f"engine {seat.engine} rank {seat.engine_rank} ({endpoint.targets[seat.engine].url})",
                           sends=True)
     return role, lambda: endpoint.open(seat, groups.get(seat.engine), bucket_bytes)
-
-
-def all_gather(value: Any) -> list[Any]:
-    """Every rank's `value` (small, picklable), in rank order."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from megatron_grpo.convert.export import gather_hf_weights_on_rank0
 from megatron_grpo.errors import MegatronGRPOError, Rank0Failure, RolloutFailure
-from megatron_grpo.launch.distributed import broadcast_from_rank0
-from megatron_grpo.trainer.stage_sync import StageSync, all_gather
+from megatron_grpo.launch.collectives import agree, all_gather_objects, attempt_on_rank0, broadcast_from_rank0
+from megatron_grpo.trainer.stage_sync import StageSync
 
 log = logging.getLogger(__name__)
 
@@ -31,30 +31,27 @@ def sync_weights(run, version: int, attempts: int = 2) -> dict[str, float]:
     error = None
     for attempt in range(attempts):
         tensors = gather_hf_weights_on_rank0(run.policy, run.model_config, dtype=None)
-        error, unexpected, metrics = None, None, {}
+        outcome = None
         if dist.get_rank() == 0:
-            try:
-                run.engine.update_weights(tensors, version)
-                metrics = run.engine.sync_metrics()
-            except MegatronGRPOError as exc:
-                error = str(exc)
-            except Exception as exc:  # not the engine's known failure: no retry; every rank stops
-                unexpected, error = exc, f"{type(exc).__name__}: {exc}"
+            outcome = attempt_on_rank0(_push_and_report, run.engine, tensors, version)
         # The generator must be exhausted everywhere (it holds collectives), on rank 0 too.
         for _ in tensors:
             pass
-        error, fatal = broadcast_from_rank0((error, unexpected is not None))
-        if unexpected is not None:
-            raise unexpected
-        if fatal:
-            raise Rank0Failure(f"weight sync of version {version} failed on rank 0: {error}")
-        if error is None:
+        outcome = agree(outcome, share_value=False)  # a bug stops every rank; an engine error retries
+        if outcome.error is None:
+            metrics = outcome.value or {}
             if attempt:
                 metrics["sync/retries"] = float(attempt)
             return metrics
+        error = str(outcome.error)
         if dist.get_rank() == 0 and attempt + 1 < attempts:
             log.warning("weight sync of version %d failed (%s); pushing again", version, error)
     raise RolloutFailure(f"weight sync of version {version} failed {attempts} times: {error}")
+
+
+def _push_and_report(engine, tensors, version: int) -> dict[str, float]:
+    engine.update_weights(tensors, version)
+    return engine.sync_metrics()
 
 
 class _StageFailure(MegatronGRPOError):
@@ -80,23 +77,10 @@ def _sync_per_stage(run, stage_sync: StageSync, version: int, attempts: int) -> 
 
 def _on_rank0_agreed(fn, *args):
     """fn(*args) on rank 0; its result (or its project error, as _StageFailure) on every rank."""
-    result, error, fatal = None, None, False
-    if dist.get_rank() == 0:
-        try:
-            result = fn(*args)
-        except MegatronGRPOError as exc:
-            error = str(exc)
-        except Exception as exc:  # noqa: BLE001 - not the engine's known failure: every rank stops
-            error, fatal = f"{type(exc).__name__}: {exc}", True
-            unexpected = exc
-    result, error, fatal = broadcast_from_rank0((result, error, fatal))
-    if fatal:
-        if dist.get_rank() == 0:
-            raise unexpected
-        raise Rank0Failure(f"weight sync failed on rank 0: {error}")
-    if error is not None:
-        raise _StageFailure(error)
-    return result
+    outcome = agree(attempt_on_rank0(fn, *args) if dist.get_rank() == 0 else None)
+    if outcome.error is not None:
+        raise _StageFailure(str(outcome.error))
+    return outcome.value
 
 
 def _one_stage_sync(run, stage_sync: StageSync, version: int) -> dict[str, float]:
@@ -109,7 +93,7 @@ def _one_stage_sync(run, stage_sync: StageSync, version: int) -> dict[str, float
             sink.set_targets(targets)
         except MegatronGRPOError as exc:
             rebuild_error = f"{role.label}: {exc}"
-    rebuild_errors = [e for e in all_gather(rebuild_error) if e]
+    rebuild_errors = [e for e in all_gather_objects(rebuild_error) if e]
     if rebuild_errors:
         _on_rank0_agreed(lambda: engine.abort_stage_update(version))  # the next attempt rebuilds again
         raise _StageFailure(rebuild_errors[0])
@@ -122,7 +106,7 @@ def _one_stage_sync(run, stage_sync: StageSync, version: int) -> dict[str, float
             outcome, unexpected = _push_stage(run, role, sink, sample, version)
         if turn is not None:
             dist.barrier()
-    gathered = all_gather((outcome, unexpected is not None))
+    gathered = all_gather_objects((outcome, unexpected is not None))
     fatal = [o for o, bad in gathered if bad]
     if unexpected is not None:
         raise unexpected
