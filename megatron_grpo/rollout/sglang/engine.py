@@ -15,8 +15,8 @@ from megatron_grpo.rollout.sglang.http_json import RetryPolicy
 from megatron_grpo.rollout.sglang.pool import EnginePool, EngineSlot, HealthProber
 from megatron_grpo.rollout.sglang.protocol import parse_weight_version
 from megatron_grpo.rollout.sglang.verify import WeightSample, verify_engines
+from megatron_grpo.rollout.sglang.update_session import UpdateSession
 from megatron_grpo.rollout.sglang.weight_sync import (DistributedTransport, SyncStats, TensorTransport, WeightTransport,
-                                                      _continue_best_effort, _end_session_best_effort, flush_cache,
                                                       update_weights)
 from megatron_grpo.rollout.types import EngineHealth, GenerationRequest, Sample
 
@@ -65,6 +65,7 @@ class SGLangEngine(RolloutEngine):
         self.last_sync_metrics: dict[str, float] = {}
         self._stage_targets = list(self.pool.alive_targets)  # per-stage sync: what the senders reach
         self._stage_started = 0.0
+        self._session: UpdateSession | None = None  # the open update of the staged protocol
         self._stopping = False  # abort() was called during the current generate
         self.resubmitted_groups = 0  # groups resubmitted after a weight update aborted them (resubmit_aborted)
 
@@ -194,12 +195,12 @@ class SGLangEngine(RolloutEngine):
     def begin_stage_update(self, version: int) -> WeightSample | None:
         """Pauses generation and opens the sessions; returns the weight sample the senders fill
         (when verification is due)."""
-        urls = [t.url for t in self._stage_targets]
+        self._session = UpdateSession(self.client, [t.url for t in self._stage_targets])
         try:
-            self.client.call_all("/pause_generation", {"mode": "abort"}, urls=urls)
-            self.client.call_all("/begin_weight_update", {}, urls=urls)
+            self._session.open()
         except BaseException:
-            self._abort_stage_session(urls)
+            self._push_failed = True
+            self.prober.resume()
             raise
         self._stage_started = time.perf_counter()
         verify = self._verification_due()
@@ -207,20 +208,15 @@ class SGLangEngine(RolloutEngine):
 
     def end_stage_update(self, version: int, results: list) -> None:
         """results: every sender's (stage, SyncStats, sampled tensors or None) of a successful push."""
-        urls, alive = [t.url for t in self._stage_targets], list(self._stage_targets)
+        alive = list(self._stage_targets)
+        session, self._session = self._session, None
         try:
-            for url, answer in zip(urls, self.client.call_all("/end_weight_update", {}, urls=urls)):
-                if isinstance(answer, dict) and answer.get("success") is False:
-                    raise SGLangError(f"{url}/end_weight_update failed: {answer.get('message')}", url)
-            for url in urls:
-                flush_cache(self.client, url)
+            session.close()
         except BaseException:
             self._push_failed = True
-            _continue_best_effort(self.client, urls)
             self.prober.resume()
             raise
         try:
-            self.client.call_all("/continue_generation", {}, urls=urls)
             self._version = int(version)
             self._syncs += 1
             if self._released:
@@ -244,14 +240,12 @@ class SGLangEngine(RolloutEngine):
             self.prober.resume()
 
     def abort_stage_update(self, version: int) -> None:
-        """A sender's push failed: its group is unusable (the next prepare rebuilds every group)."""
-        self._abort_stage_session([t.url for t in self._stage_targets])
-
-    def _abort_stage_session(self, urls: list[str]) -> None:
+        """A sender's push (or a group rebuild before the session opened) failed: its group is
+        unusable, the next prepare rebuilds every group."""
         self._push_failed = True
+        session, self._session = self._session, None
         try:
-            _end_session_best_effort(self.client, urls)
-            _continue_best_effort(self.client, urls)
+            (session or UpdateSession(self.client, [t.url for t in self._stage_targets])).abort()
         finally:
             self.prober.resume()
 

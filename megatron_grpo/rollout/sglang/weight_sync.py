@@ -11,10 +11,8 @@ Every transport consumes one stream of HF-named full tensors (the exporter's out
   are fed rank by rank instead: rollout/sglang/colocated.py).
 - DiskTransport: an HF safetensors folder in a shared directory, then /update_weights_from_disk.
 
-`update_weights` wraps a transport in the protocol of one update, as SGLang 0.5.23 requires it:
-pause_generation, begin_weight_update (distributed and tensor updates are refused outside such a
-session), push, end_weight_update, flush_cache (retried while requests drain),
-continue_generation; every request carries the weight_version stamp."""
+`update_weights` wraps a transport's push in one UpdateSession (rollout/sglang/update_session.py:
+pause, begin, push, end, flush, continue); every request carries the weight_version stamp."""
 from __future__ import annotations
 
 import abc
@@ -32,9 +30,9 @@ from megatron_grpo.convert.writer import write_hf_folder
 from megatron_grpo.rollout.sglang.buckets import iter_buckets, tensor_bytes
 from megatron_grpo.rollout.sglang.client import SGLangClient
 from megatron_grpo.rollout.sglang.errors import SGLangError
-from megatron_grpo.rollout.sglang.http_json import RetryPolicy
 from megatron_grpo.rollout.sglang.process_group import destroy_process_group, init_custom_process_group
 from megatron_grpo.rollout.sglang.serialization import serialize, tensor_payload
+from megatron_grpo.rollout.sglang.update_session import UpdateSession
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -270,60 +268,8 @@ class DiskTransport(WeightTransport):
             shutil.rmtree(old, ignore_errors=True)
 
 
-def flush_cache(client: SGLangClient, url: str, timeout_s: float = 60.0) -> None:
-    """POST /flush_cache until it succeeds: SGLang answers 400 while requests are still running."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            client.call(url, "/flush_cache", {})
-            return
-        except SGLangError as exc:
-            if exc.status != 400 or time.monotonic() > deadline:
-                raise SGLangError(f"{url}/flush_cache did not succeed within {timeout_s:g}s: {exc}", url) from None
-            time.sleep(0.2)
-
-
 def update_weights(client: SGLangClient, transport: WeightTransport, named_tensors: NamedTensors,
                    version: int) -> SyncStats:
-    """One update of every engine behind `transport` (see the module docstring for the order)."""
-    urls = [t.url for t in transport.targets]
-    client.call_all("/pause_generation", {"mode": "abort"}, urls=urls)
-    try:
-        if transport.needs_session:
-            client.call_all("/begin_weight_update", {}, urls=urls)
-            try:
-                stats = transport.push(named_tensors, version)
-            except BaseException:
-                _end_session_best_effort(client, urls)
-                raise
-            for url, answer in zip(urls, client.call_all("/end_weight_update", {}, urls=urls)):
-                check_answer(url, "/end_weight_update", answer)
-        else:
-            stats = transport.push(named_tensors, version)
-        for url in urls:
-            flush_cache(client, url)
-    except BaseException:
-        _continue_best_effort(client, urls)  # the update's own error is the one that matters
-        raise
-    client.call_all("/continue_generation", {}, urls=urls)
-    return stats
-
-
-def _end_session_best_effort(client: SGLangClient, urls: list[str]) -> None:
-    """After a failed push: close the session where the engine still answers, so that the next
-    update can begin one."""
-    for url in urls:
-        try:
-            client.call(url, "/end_weight_update", {}, retry=RetryPolicy(max_attempts=1), timeout_s=30.0)
-        except SGLangError:
-            pass
-
-
-def _continue_best_effort(client: SGLangClient, urls: list[str]) -> None:
-    """After a failed update: continue_generation on every engine that still answers (one that
-    died is the engine pool's business)."""
-    for url in urls:
-        try:
-            client.call(url, "/continue_generation", {}, retry=RetryPolicy(max_attempts=1), timeout_s=30.0)
-        except SGLangError:
-            pass
+    """One update of every engine behind `transport` (rollout/sglang/update_session.py)."""
+    with UpdateSession(client, [t.url for t in transport.targets], needs_session=transport.needs_session):
+        return transport.push(named_tensors, version)
