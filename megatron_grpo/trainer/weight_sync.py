@@ -7,8 +7,8 @@ resharding that feeds SGLang on a cluster. Three routes (rollout.weight_sync_rou
   colocated  every rank whose GPU hosts an SGLang engine rank feeds it (trainer/stage_sync.py).
 Every rank must take part (TP gathers, PP sends), so a failure (an SGLang engine died mid-push) is
 held until the stream is drained and then told to every rank: all ranks export again and push again
-(the engine pool restarts or drops the dead engine first), up to `attempts` times; then
-RolloutFailure on every rank.
+(the engine pool restarts or drops the dead engine first), up to `attempts` times, on any route;
+then RolloutFailure on every rank.
 """
 from __future__ import annotations
 
@@ -25,46 +25,16 @@ log = logging.getLogger(__name__)
 
 
 def sync_weights(run, version: int, attempts: int = 2) -> dict[str, float]:
-    """Pushes the policy as weight version `version`; returns the engine's sync metrics (rank 0)."""
-    if run.stage_sync is not None:
-        return _sync_per_stage(run, run.stage_sync, version, attempts)
-    error = None
-    for attempt in range(attempts):
-        tensors = gather_hf_weights_on_rank0(run.policy, run.model_config, dtype=None)
-        outcome = None
-        if dist.get_rank() == 0:
-            outcome = attempt_on_rank0(_push_and_report, run.engine, tensors, version)
-        # The generator must be exhausted everywhere (it holds collectives), on rank 0 too.
-        for _ in tensors:
-            pass
-        outcome = agree(outcome, share_value=False)  # a bug stops every rank; an engine error retries
-        if outcome.error is None:
-            metrics = outcome.value or {}
-            if attempt:
-                metrics["sync/retries"] = float(attempt)
-            return metrics
-        error = str(outcome.error)
-        if dist.get_rank() == 0 and attempt + 1 < attempts:
-            log.warning("weight sync of version %d failed (%s); pushing again", version, error)
-    raise RolloutFailure(f"weight sync of version {version} failed {attempts} times: {error}")
-
-
-def _push_and_report(engine, tensors, version: int) -> dict[str, float]:
-    engine.update_weights(tensors, version)
-    return engine.sync_metrics()
-
-
-class _StageFailure(MegatronGRPOError):
-    """A step of a per-stage sync failed (message: where and why); the sync is tried again."""
-
-
-def _sync_per_stage(run, stage_sync: StageSync, version: int, attempts: int) -> dict[str, float]:
-    """The per-stage protocol of trainer/stage_sync.py, retried as the rank-0 route is."""
+    """Pushes the policy as weight version `version`; returns the engine's sync metrics (rank 0).
+    One attempt failing with an engine's known error (_SyncFailure, on every rank) is retried."""
     error = None
     for attempt in range(attempts):
         try:
-            metrics = _one_stage_sync(run, stage_sync, version)
-        except _StageFailure as exc:
+            if run.stage_sync is not None:
+                metrics = _one_stage_sync(run, run.stage_sync, version)
+            else:
+                metrics = _one_rank0_sync(run, version)
+        except _SyncFailure as exc:
             error = str(exc)
             if dist.get_rank() == 0 and attempt + 1 < attempts:
                 log.warning("weight sync of version %d failed (%s); pushing again", version, error)
@@ -75,11 +45,32 @@ def _sync_per_stage(run, stage_sync: StageSync, version: int, attempts: int) -> 
     raise RolloutFailure(f"weight sync of version {version} failed {attempts} times: {error}")
 
 
+class _SyncFailure(MegatronGRPOError):
+    """One attempt of a sync failed on every rank (message: where and why); it is tried again."""
+
+
+def _one_rank0_sync(run, version: int) -> dict[str, float]:
+    """Every stage's tensors through global rank 0, which pushes them (the rank0 route)."""
+    tensors = gather_hf_weights_on_rank0(run.policy, run.model_config, dtype=None)
+    outcome = attempt_on_rank0(_push_and_report, run.engine, tensors, version) if dist.get_rank() == 0 else None
+    for _ in tensors:  # the generator holds collectives: exhausted on every rank, rank 0 too
+        pass
+    outcome = agree(outcome, share_value=False)  # a bug stops every rank
+    if outcome.error is not None:
+        raise _SyncFailure(str(outcome.error))
+    return outcome.value or {}
+
+
+def _push_and_report(engine, tensors, version: int) -> dict[str, float]:
+    engine.update_weights(tensors, version)
+    return engine.sync_metrics()
+
+
 def _on_rank0_agreed(fn, *args):
-    """fn(*args) on rank 0; its result (or its project error, as _StageFailure) on every rank."""
+    """fn(*args) on rank 0; its result (or its project error, as _SyncFailure) on every rank."""
     outcome = agree(attempt_on_rank0(fn, *args) if dist.get_rank() == 0 else None)
     if outcome.error is not None:
-        raise _StageFailure(str(outcome.error))
+        raise _SyncFailure(str(outcome.error))
     return outcome.value
 
 
@@ -96,7 +87,7 @@ def _one_stage_sync(run, stage_sync: StageSync, version: int) -> dict[str, float
     rebuild_errors = [e for e in all_gather_objects(rebuild_error) if e]
     if rebuild_errors:
         _on_rank0_agreed(lambda: engine.abort_stage_update(version))  # the next attempt rebuilds again
-        raise _StageFailure(rebuild_errors[0])
+        raise _SyncFailure(rebuild_errors[0])
     sample = _on_rank0_agreed(lambda: engine.begin_stage_update(version))  # a weight sample to fill, or None
 
     outcome, unexpected = None, None
@@ -116,7 +107,7 @@ def _one_stage_sync(run, stage_sync: StageSync, version: int) -> dict[str, float
     results = [o for o, _ in gathered if isinstance(o, tuple)]
     if failures:
         _on_rank0_agreed(lambda: engine.abort_stage_update(version))
-        raise _StageFailure(failures[0])
+        raise _SyncFailure(failures[0])
     _on_rank0_agreed(lambda: engine.end_stage_update(version, results))
     return engine.sync_metrics() if engine is not None else {}
 
