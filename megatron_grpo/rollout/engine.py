@@ -1,8 +1,11 @@
-"""The interface every rollout engine implements (local HF model, SGLang servers)."""
+"""The interfaces of rollout engines: RolloutEngine, which every engine implements (local HF
+model in the trainer's process or its own, SGLang servers), and StagedWeightUpdates, which an
+engine implements when it can take its weights from sender ranks other than global rank 0
+(trainer/stage_sync.py: per pipeline stage, colocated)."""
 from __future__ import annotations
 
 import abc
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -25,6 +28,11 @@ class RolloutEngine(abc.ABC):
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None: ...
 
     @abc.abstractmethod
+    def abort(self) -> None:
+        """Ends a generate call in flight (from another thread): its unfinished samples come back
+        with finish_reason 'abort'."""
+
+    @abc.abstractmethod
     def release_memory(self) -> None:
         """Free accelerator memory (weights, KV cache) while the trainer runs (colocated mode)."""
 
@@ -45,3 +53,24 @@ class RolloutEngine(abc.ABC):
 
     def close(self) -> None:
         """Releases processes / connections; the default has nothing to release."""
+
+
+@runtime_checkable
+class StagedWeightUpdates(Protocol):
+    """One weight update driven by global rank 0 in steps while sender ranks push (trainer/
+    weight_sync.py runs it): prepare (engines restarted or dropped: the senders' new targets),
+    begin (pause generation, open the update; a weight sample for the senders to fill, or None),
+    the senders push through sinks opened from stage_endpoint(), then end (apply, continue,
+    verify the samples) or abort."""
+
+    def stage_endpoint(self) -> Any:
+        """Picklable: what a pipeline stage's sender opens its sink from (trainer/stage_sync.py)."""
+
+    def prepare_stage_update(self, version: int) -> Optional[list]: ...
+
+    def begin_stage_update(self, version: int) -> Any: ...
+
+    def end_stage_update(self, version: int, results: list) -> None:
+        """results: every sender's (stage, stats, sampled tensors or None) of a successful push."""
+
+    def abort_stage_update(self, version: int) -> None: ...

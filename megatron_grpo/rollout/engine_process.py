@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from megatron_grpo.errors import MegatronGRPOError
-from megatron_grpo.rollout.engine import NamedTensors, RolloutEngine
+from megatron_grpo.rollout.engine import NamedTensors, RolloutEngine, StagedWeightUpdates
 from megatron_grpo.rollout.shared_weights import SharedWeightSender, WeightEndpoint
 from megatron_grpo.rollout.types import EngineHealth, GenerationRequest, Sample
 
@@ -66,7 +66,7 @@ class GenerateInfo:
     generate_s: float
 
 
-class ProcessEngine(RolloutEngine):
+class ProcessEngine(RolloutEngine, StagedWeightUpdates):
     """The RolloutEngine in another process (see the module docstring). Thread-safe: generate may
     be called from a rollout thread while the trainer's thread evaluates (calls run in order)."""
 

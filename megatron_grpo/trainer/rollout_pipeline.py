@@ -115,12 +115,10 @@ class RolloutPipeline:
             self._stopping = True
             self._cond.notify_all()
         if self._thread.is_alive():
-            abort = getattr(self.run.engine, "abort", None)
-            if abort is not None:
-                try:
-                    abort()  # end a generate call in flight
-                except MegatronGRPOError as exc:
-                    log.warning("stopping the rollout producer: abort failed (%s)", exc)
+            try:
+                self.run.engine.abort()  # end a generate call in flight
+            except MegatronGRPOError as exc:
+                log.warning("stopping the rollout producer: abort failed (%s)", exc)
             self._thread.join(timeout=60.0)
 
     # ----- the producer ---------------------------------------------------------------------

@@ -20,23 +20,6 @@ from megatron_grpo.launch.env import free_port
 log = logging.getLogger(__name__)
 
 
-class SGLangRolloutEngine:
-    """SGLangEngine plus the servers we launched (stopped on close)."""
-
-    def __init__(self, engine, launcher):
-        self._engine, self._launcher = engine, launcher
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def close(self) -> None:
-        try:
-            self._engine.close()
-        finally:
-            if self._launcher is not None:
-                self._launcher.shutdown()
-
-
 def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
     from megatron_grpo.rollout.sglang.client import SGLangClient
     from megatron_grpo.rollout.sglang.engine import EngineOptions, SGLangEngine
@@ -103,7 +86,7 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
         engine = SGLangEngine(client, transport, generate_client=generate_client, pool=pool, options=EngineOptions(
             send_seeds=s.deterministic_inference, verify_interval=s.verify_interval,
             health_check_interval_s=s.health_check_interval_s, health_check_timeout_s=s.health_check_timeout_s,
-            min_engines=s.min_engines, resubmit_aborted=cfg.rollout.max_staleness > 0))
+            min_engines=s.min_engines, resubmit_aborted=cfg.rollout.max_staleness > 0), launcher=launcher)
         health = engine.health()
         if not health:
             raise MegatronGRPOError(f"SGLang engines are not healthy at start: {health.detail}")
@@ -114,7 +97,7 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
         if launcher is not None:
             launcher.shutdown()
         raise
-    return SGLangRolloutEngine(engine, launcher)
+    return engine
 
 
 def _restarter(launcher, index: int, timeout_s: float):

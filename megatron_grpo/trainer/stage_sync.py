@@ -39,6 +39,7 @@ from megatron_grpo.config.schema import Config
 from megatron_grpo.convert.stage_export import StageRole, WholeModelRole
 from megatron_grpo.errors import ConfigError, MegatronGRPOError, RolloutFailure
 from megatron_grpo.launch.collectives import all_gather_objects, broadcast_from_rank0, raise_if_any_failed
+from megatron_grpo.rollout.engine import StagedWeightUpdates
 
 
 class StageSink(Protocol):
@@ -107,6 +108,11 @@ def connect_stage_sync(cfg: Config, rank0) -> StageSync | None:
     if route == "rank0":
         return None
     bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20
+    engine_kind = broadcast_from_rank0(None if rank0 is None else (type(rank0.engine).__name__, isinstance(
+        rank0.engine, StagedWeightUpdates)))
+    if not engine_kind[1]:  # validation refuses such recipes first; every rank stops here too
+        raise ConfigError(f"rollout.weight_sync_route={route}: the {engine_kind[0]} takes its weights from rank 0 "
+                          "only; use rollout.weight_sync_route=rank0")
     if route == "colocated":
         endpoint = broadcast_from_rank0(rank0.engine.colocated_endpoint() if rank0 is not None else None)
         role, opener = _colocated_sender(endpoint, bucket_bytes)

@@ -8,7 +8,7 @@ import socket
 import time
 from typing import Sequence
 
-from megatron_grpo.rollout.engine import NamedTensors, RolloutEngine
+from megatron_grpo.rollout.engine import NamedTensors, RolloutEngine, StagedWeightUpdates
 from megatron_grpo.rollout.sglang.client import SGLangClient
 from megatron_grpo.rollout.sglang.errors import SGLangError
 from megatron_grpo.rollout.sglang.http_json import RetryPolicy
@@ -40,16 +40,17 @@ class EngineOptions:
     max_resubmits: int = 8  # per generate call: a group aborted this often is returned as aborted
 
 
-class SGLangEngine(RolloutEngine):
+class SGLangEngine(RolloutEngine, StagedWeightUpdates):
     """`client` talks to the engines; `generate_client` (a router, if any) only serves /generate.
     Weight updates, memory and control calls (abort, pause, flush) always go to each engine
     directly: a router has no such routes."""
 
     def __init__(self, client: SGLangClient, transport: WeightTransport, *,
                  generate_client: SGLangClient | None = None, pool: EnginePool | None = None,
-                 options: EngineOptions = EngineOptions()):
+                 options: EngineOptions = EngineOptions(), launcher=None):
         self.client = client
         self.transport = transport
+        self.launcher = launcher  # servers launched for this engine (rollout/sglang/launcher.py): stopped on close
         self.generate_client = generate_client or client
         self.options = options
         self.pool = pool or EnginePool([EngineSlot(t) for t in transport.targets], min_engines=options.min_engines,
@@ -286,8 +287,12 @@ class SGLangEngine(RolloutEngine):
         return EngineHealth(not problems, detail, versions.pop() if len(versions) == 1 else None)
 
     def close(self) -> None:
-        self.prober.stop()
-        self.transport.close()
-        self.client.close()
-        if self.generate_client is not self.client:
-            self.generate_client.close()
+        try:
+            self.prober.stop()
+            self.transport.close()
+            self.client.close()
+            if self.generate_client is not self.client:
+                self.generate_client.close()
+        finally:
+            if self.launcher is not None:
+                self.launcher.shutdown()
