@@ -17,7 +17,7 @@ ALLOWED = {
     "errors": set(),
     "optional": {"errors"},
     "config": {"errors"},
-    "algo": {"errors"},
+    "algo": {"errors", "config"},
     "data": {"errors"},
     "launch": {"errors"},
     "ops": {"errors"},

@@ -594,30 +594,6 @@ def test_rollout_ranges_equal_the_engines(key, value):
     assert error_of(validate, valid("rollout.temperature=0")).startswith("rollout.temperature=0.0 must be > 0")
 
 
-@pytest.mark.parametrize("overrides", [
-    (), ("objective=behaviour",), ("objective=behaviour", "is_level=token"), ("objective=behaviour", "rs_level=token"),
-    ("is_level=sequence", "is_cap=0"), ("is_cap=-1",), ("rs_level=geometric", "rs_high=0"), ("rs_high=-1",),
-    ("rs_level=token", "rs_low=0.5"), ("rs_level=token", "rs_low=-0.1"), ("rs_low=3", "rs_high=2"),
-    ("rs_low=2", "rs_high=2"), ("rs_level=sequence", "rs_low=0", "rs_high=1.5")])
-def test_off_policy_rules_equal_the_algorithms(overrides):
-    """config/validate.py repeats algo/off_policy.OffPolicyConfig's rules (config may not import the
-    torch side): validation refuses exactly what the algorithm's own config refuses."""
-    from megatron_grpo.algo.off_policy import OffPolicyConfig
-
-    config = valid(*(f"actor.off_policy.{o}" for o in overrides))
-    try:
-        OffPolicyConfig(**dataclasses.asdict(config.actor.off_policy))
-        algo_ok = True
-    except ConfigError:
-        algo_ok = False
-    try:
-        validate(config)
-        config_ok = True
-    except ConfigError:
-        config_ok = False
-    assert config_ok == algo_ok
-
-
 def test_routing_replay_with_sglang_is_refused_until_the_client_reads_the_routes():
     moe = ["model.override_config.model_type=qwen3_moe", "model.override_config.num_experts=8",
            "actor.moe_routing_replay=true"]

@@ -187,5 +187,7 @@ def test_staleness_gap_sums():
     (dict(rs_low=3.0, rs_high=2.0), "rs_low"),
 ])
 def test_config_errors_name_the_key(kwargs, message):
+    with pytest.raises(ConfigError, match=message):  # what GRPOLossConfig runs for direct users
+        OffPolicyConfig(**kwargs).check()
     with pytest.raises(ConfigError, match=message):
-        OffPolicyConfig(**kwargs)
+        GRPOLossConfig(off_policy=OffPolicyConfig(**kwargs))

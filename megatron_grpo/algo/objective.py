@@ -28,12 +28,13 @@ class GRPOLossConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
-    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)  # algo/off_policy.py
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)  # config/off_policy.py
 
     def __post_init__(self):
         POLICY_LOSSES.get(self.policy_loss)  # raises ConfigError listing the valid names
         check_loss_agg_mode(self.loss_agg_mode)
         check_kl_estimator(self.kl_loss_type)
+        self.off_policy.check()
 
 
 @dataclass

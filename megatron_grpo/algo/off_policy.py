@@ -37,50 +37,9 @@ from typing import Optional
 
 import torch
 
-from megatron_grpo.errors import ConfigError
+from megatron_grpo.config.off_policy import OffPolicyConfig  # torch-free: the recipe schema's own class
 
-OBJECTIVES = ("decoupled", "behaviour")
-IS_LEVELS = ("token", "sequence")
-RS_LEVELS = ("token", "sequence", "geometric")
 SAFETY_BOUND = 20.0
-
-
-@dataclass(frozen=True)
-class OffPolicyConfig:
-    objective: str = "decoupled"
-    is_level: Optional[str] = None  # None: no truncated IS weight
-    is_cap: float = 2.0
-    rs_level: Optional[str] = None  # None: no rejection
-    rs_low: Optional[float] = None  # None: 1 / rs_high
-    rs_high: float = 2.0
-
-    def __post_init__(self):
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"off_policy.objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        if self.is_level is not None and self.is_level not in IS_LEVELS:
-            raise ConfigError(f"off_policy.is_level must be null or one of {', '.join(IS_LEVELS)}, "
-                              f"got {self.is_level!r}")
-        if self.rs_level is not None and self.rs_level not in RS_LEVELS:
-            raise ConfigError(f"off_policy.rs_level must be null or one of {', '.join(RS_LEVELS)}, "
-                              f"got {self.rs_level!r}")
-        if self.objective == "behaviour" and self.weighted:
-            raise ConfigError("off_policy.objective=behaviour clips against the engine's log-probs, so there is no "
-                              "proximal/behaviour ratio to weight by: leave is_level and rs_level null")
-        if not self.is_cap > 0:
-            raise ConfigError(f"off_policy.is_cap must be > 0, got {self.is_cap}")
-        if not self.rs_high > 0:
-            raise ConfigError(f"off_policy.rs_high must be > 0, got {self.rs_high}")
-        if self.rs_low is not None and not 0 <= self.rs_low <= self.rs_high:
-            raise ConfigError(f"off_policy.rs_low must be in [0, rs_high={self.rs_high}], got {self.rs_low}")
-
-    @property
-    def weighted(self) -> bool:
-        """Whether each token's loss is multiplied by a weight from pi_prox / pi_behav."""
-        return self.is_level is not None or self.rs_level is not None
-
-    @property
-    def rs_bounds(self) -> tuple[float, float]:
-        return (1.0 / self.rs_high if self.rs_low is None else self.rs_low), self.rs_high
 
 
 @dataclass

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from megatron_grpo.config.off_policy import OffPolicyConfig
+
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 # "<name>+": the value of <name>, the gradient of k2 (straight-through, algo/kl.py)
@@ -198,24 +200,6 @@ class AlgorithmConfig:
 @dataclass(frozen=True)
 class PolicyLossConfig:
     loss_mode: str = "vanilla"  # vanilla | gspo | a registered policy loss (checked in validate.py)
-
-
-@dataclass(frozen=True)
-class OffPolicyConfig:
-    """Corrections for samples the trained weights did not generate (algo/off_policy.py, with sources):
-    rho = pi_prox / pi_behav, the trainer's log-probs of the weights at the step start over the
-    engine's; not in verl under these names (verl: algorithm.rollout_correction)."""
-
-    # decoupled: the PPO ratio against pi_prox, each token weighted by w(rho) (AReaL);
-    # behaviour: the PPO ratio against the engine's log-probs, no weight (verl's bypass mode)
-    objective: Literal["decoupled", "behaviour"] = "decoupled"
-    is_level: Optional[Literal["token", "sequence"]] = None  # truncated IS w = min(rho, is_cap); None = off
-    is_cap: float = 2.0
-    # rejection (masked IS): weight 0 where rho (token, sequence = product, geometric = mean in log
-    # space) leaves [rs_low, rs_high]; None = off. rs_low None = 1 / rs_high.
-    rs_level: Optional[Literal["token", "sequence", "geometric"]] = None
-    rs_low: Optional[float] = None
-    rs_high: float = 2.0
 
 
 @dataclass(frozen=True)

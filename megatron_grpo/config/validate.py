@@ -288,19 +288,8 @@ def _actor(c: Config, out: list[str]) -> None:
 
 
 def _off_policy(c: Config, out: list[str]) -> None:
-    # The same rules as algo/off_policy.OffPolicyConfig (config may not import torch-side algo;
-    # tests/test_config.py ties the two); the Literal fields were checked by the schema already.
     o = c.actor.off_policy
-    weighted = o.is_level is not None or o.rs_level is not None
-    if o.objective == "behaviour" and weighted:
-        out.append("actor.off_policy.objective=behaviour clips against the engine's log-probs, so there is no "
-                   "proximal/behaviour ratio to weight by: leave is_level and rs_level null")
-    if not o.is_cap > 0:
-        out.append(f"actor.off_policy.is_cap must be > 0, got {o.is_cap}")
-    if not o.rs_high > 0:
-        out.append(f"actor.off_policy.rs_high must be > 0, got {o.rs_high}")
-    elif o.rs_low is not None and not 0 <= o.rs_low <= o.rs_high:
-        out.append(f"actor.off_policy.rs_low must be in [0, rs_high={o.rs_high}], got {o.rs_low}")
+    out.extend(o.problems("actor.off_policy"))
     if o.is_level is not None and c.actor.tis_cap is not None:
         out.append("actor.tis_cap and actor.off_policy.is_level are both set: actor.tis_cap is token-level "
                    "truncated IS (actor.off_policy.is_level=token, is_cap); set one")
