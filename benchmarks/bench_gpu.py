@@ -9,7 +9,7 @@ Without CUDA (and without --dry-run) it exits at once with a message: nothing he
 on CPU.
 
 Sections (each a row group of the table):
-1. train step MFU: a Qwen3-shaped model (random init; config dict -> ModelConfig.from_hf ->
+1. train step MFU: a Qwen3-shaped model (random init; config dict -> ModelArchitecture.from_hf ->
    models.build_model, local spec or TE spec when transformer_engine imports, bf16, Megatron DDP +
    distributed optimizer) runs trainer.train_step.train_on_mini_batch, the trainer's own update
    (GRPO loss on vocab-parallel log-probs + entropy, one optimizer step) on fixed-length sequences.
@@ -162,7 +162,7 @@ def pct(value: float, peak: Optional[float]) -> str:
 def bench_train(args, device: torch.device, dtype: torch.dtype, report: Report, peak_tflops: Optional[float]) -> None:
     from megatron_grpo.algo import GlobalBatchInfo, GRPOLossConfig
     from megatron_grpo.launch import ParallelLayout, init_distributed, initialize_model_parallel
-    from megatron_grpo.models import ModelConfig, build_model
+    from megatron_grpo.models import ModelArchitecture, build_model
     from megatron_grpo.models.spec import resolve_backend
     from megatron_grpo.trainer.batching import TrainSample, collate
     from megatron_grpo.trainer.flops import training_flops
@@ -172,7 +172,7 @@ def bench_train(args, device: torch.device, dtype: torch.dtype, report: Report, 
     init_distributed()
     layout = ParallelLayout()
     initialize_model_parallel(layout, seed=1234)
-    mc = ModelConfig.from_hf(hf_config(args.model, args.vocab_size))
+    mc = ModelArchitecture.from_hf(hf_config(args.model, args.vocab_size))
     chunks = build_model(mc, layout, dtype=dtype, backend=args.backend)
     for chunk in chunks:
         chunk.to(device)

@@ -159,7 +159,7 @@ def run_mode(rank, world_size, mode: str, settings: Settings, lengths: list[tupl
     from bench_e2e import SHAPES
     from megatron_grpo.algo import GRPOLossConfig
     from megatron_grpo.launch import ParallelLayout, initialize_model_parallel
-    from megatron_grpo.models import ModelConfig, build_model
+    from megatron_grpo.models import ModelArchitecture, build_model
     from megatron_grpo.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
     from megatron_grpo.trainer.train_step import train_on_mini_batch
 
@@ -169,7 +169,7 @@ def run_mode(rank, world_size, mode: str, settings: Settings, lengths: list[tupl
               initializer_range=0.02, **dict(SHAPES[settings.shape], max_position_embeddings=2048))
     layout = ParallelLayout()
     initialize_model_parallel(layout, seed=settings.seed)
-    mc = ModelConfig.from_hf(hf)
+    mc = ModelArchitecture.from_hf(hf)
     chunks = build_model(mc, layout)
     policy = wrap_with_ddp(chunks, use_distributed_optimizer=True)
     optimizer, _ = build_optimizer(policy, OptimizerSettings(lr=1e-6, grad_clip=1.0, use_distributed_optimizer=True))

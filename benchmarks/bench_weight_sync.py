@@ -64,7 +64,7 @@ def _stage_sync_seconds(rank, world_size, pp, route, model_dir, repeats):
     from megatron_grpo.convert.loader import load_hf_weights
     from megatron_grpo.convert.stage_export import StageRole
     from megatron_grpo.launch import ParallelLayout, initialize_model_parallel
-    from megatron_grpo.models import ModelConfig, build_model as build_megatron
+    from megatron_grpo.models import ModelArchitecture, build_model as build_megatron
     from megatron_grpo.rollout.engine_process import EngineSpec, ProcessEngine
     from megatron_grpo.launch.collectives import all_gather_objects as all_gather
     from megatron_grpo.trainer.stage_sync import StageSync
@@ -72,7 +72,7 @@ def _stage_sync_seconds(rank, world_size, pp, route, model_dir, repeats):
 
     torch.set_num_threads(1)
     initialize_model_parallel(ParallelLayout(pipeline=pp), seed=0)
-    cfg = ModelConfig.from_hf(model_dir, vocab_multiple=8)
+    cfg = ModelArchitecture.from_hf(model_dir, vocab_multiple=8)
     chunks = build_megatron(cfg)
     load_hf_weights(chunks, cfg, model_dir)
     engine = ProcessEngine(EngineSpec(model_dir=model_dir, threads=1)) if rank == 0 else None

@@ -50,7 +50,7 @@ def _sync_colocated(rank, world_size, urls, model_dir, shift_rank):
     from megatron_grpo.convert.loader import load_hf_weights
     from megatron_grpo.errors import RolloutFailure
     from megatron_grpo.launch import ParallelLayout, initialize_model_parallel
-    from megatron_grpo.models import ModelConfig, build_model
+    from megatron_grpo.models import ModelArchitecture, build_model
     from megatron_grpo.rollout.sglang.client import SGLangClient
     from megatron_grpo.rollout.sglang.engine import EngineOptions, SGLangEngine
     from megatron_grpo.rollout.sglang.weight_sync import EngineTarget, TensorTransport
@@ -59,7 +59,7 @@ def _sync_colocated(rank, world_size, urls, model_dir, shift_rank):
     from tests.sglang_harness.fixtures import engine_checksums, sglang_checksum
 
     initialize_model_parallel(ParallelLayout(tensor=2, pipeline=2), seed=3)
-    cfg = ModelConfig.from_hf(model_dir, tensor_parallel=2, vocab_multiple=8)
+    cfg = ModelArchitecture.from_hf(model_dir, tensor_parallel=2, vocab_multiple=8)
     chunks = build_model(cfg, ParallelLayout(tensor=2, pipeline=2))
     load_hf_weights(chunks, cfg, model_dir)
     recipe = load_config("tiny_cpu", ["rollout.engine=sglang", "rollout.sglang.weight_sync=tensor",

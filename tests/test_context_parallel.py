@@ -29,12 +29,12 @@ def _run(rank, world_size, path, tp, cp):
 
     from megatron_grpo.convert import export_hf_weights, load_hf_weights
     from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
-    from megatron_grpo.models import ModelConfig, build_model
+    from megatron_grpo.models import ModelArchitecture, build_model
     from megatron_grpo.ops.context_parallel import gather_from_context_parallel, split_for_context_parallel
 
     layout = ParallelLayout(tensor=tp, context=cp)
     initialize_model_parallel(layout)
-    cfg = ModelConfig.from_hf(path, tensor_parallel=tp, vocab_multiple=8)
+    cfg = ModelArchitecture.from_hf(path, tensor_parallel=tp, vocab_multiple=8)
     chunks = build_model(cfg, layout)
     load_hf_weights(chunks, cfg, path)
     model = chunks[0]

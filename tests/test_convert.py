@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from megatron_grpo.convert.hf_io import HFCheckpoint
 from megatron_grpo.convert.mappings import expected_hf_tensors
 from megatron_grpo.errors import CheckpointError, ConfigError
-from megatron_grpo.models.hf_config import ModelConfig
+from megatron_grpo.models.hf_config import ModelArchitecture
 from megatron_grpo.models.tiny import save_tiny_hf_model
 from megatron_grpo.testing.distributed import run_distributed
 
@@ -91,7 +91,7 @@ def _save_at_layout(rank, world_size, src, out, tp, pp):
 
     layout = ParallelLayout(tensor=tp, pipeline=pp)
     initialize_model_parallel(layout)
-    cfg = ModelConfig.from_hf(src, tensor_parallel=tp)
+    cfg = ModelArchitecture.from_hf(src, tensor_parallel=tp)
     chunks = build_model(cfg, layout)
     load_hf_weights(chunks, cfg, src)
     save_megatron_checkpoint(chunks, cfg, out, assets_from=src)
@@ -104,7 +104,7 @@ def _stream_exports(rank, world_size, src, tp, pp):
 
     layout = ParallelLayout(tensor=tp, pipeline=pp)
     initialize_model_parallel(layout)
-    cfg = ModelConfig.from_hf(src, tensor_parallel=tp)
+    cfg = ModelArchitecture.from_hf(src, tensor_parallel=tp)
     chunks = build_model(cfg, layout)
     load_hf_weights(chunks, cfg, src)
     per_stage = {name: t.clone() for name, t in export_hf_weights(chunks, cfg)}
@@ -153,7 +153,7 @@ def sharded_qwen2(tmp_path):
 
 
 def _validate(folder: Path):
-    cfg = ModelConfig.from_hf(folder)
+    cfg = ModelArchitecture.from_hf(folder)
     with HFCheckpoint(folder) as ckpt:
         ckpt.validate(expected_hf_tensors(cfg))
 
@@ -238,7 +238,7 @@ def test_checkpoint_config_must_match_reference(hf_models, tmp_path):
     with pytest.raises(CheckpointError, match="does not match the model config"):
         from megatron_grpo.convert.loader import check_hf_config_matches
 
-        check_hf_config_matches(ModelConfig.load(tmp_path / "mc"), hf_models["llama"])
+        check_hf_config_matches(ModelArchitecture.load(tmp_path / "mc"), hf_models["llama"])
     assert main(argv) == 1 and not (tmp_path / "x").exists()
 
 
@@ -327,7 +327,7 @@ def test_writer_makes_a_generation_config_when_the_source_has_none(tmp_path):
 
     src = save_tiny_hf_model("llama", tmp_path / "src", seed=6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     (src / "generation_config.json").unlink()
-    cfg = ModelConfig.from_hf(src)
+    cfg = ModelArchitecture.from_hf(src)
     with HFWriter(tmp_path / "out", cfg, assets_dir=src) as writer:
         for name, tensor in hf_tensors(src).items():
             writer.add(name, tensor)

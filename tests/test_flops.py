@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_grpo.models import ModelConfig
+from megatron_grpo.models import ModelArchitecture
 from megatron_grpo.models.tiny import tiny_hf_config
 from megatron_grpo.trainer import flops
 
@@ -29,7 +29,7 @@ def test_one_token_flops_equal_torchs_count_of_the_hf_model(arch):
     hf_config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    mc = ModelConfig.from_hf(hf_config)
+    mc = ModelArchitecture.from_hf(hf_config)
     assert mc.padded_vocab_size == hf_config.vocab_size
     assert flops.forward_flops(mc, [1]) == _counted(model, 1, backward=False)
     assert flops.training_flops(mc, [1]) == _counted(model, 1, backward=True)
@@ -38,7 +38,7 @@ def test_one_token_flops_equal_torchs_count_of_the_hf_model(arch):
 def test_attention_counts_only_the_causal_pairs():
     """A sequence of s tokens: s linear passes plus s(s+1)/2 (query, key) pairs per head and layer;
     sequences add up."""
-    mc = ModelConfig.from_hf(tiny_hf_config("qwen3", vocab_size=256))
+    mc = ModelArchitecture.from_hf(tiny_hf_config("qwen3", vocab_size=256))
     per_pair = 4 * mc.num_layers * mc.num_attention_heads * mc.head_dim
     linear = flops.forward_flops(mc, [1]) - per_pair
     for s in (2, 9, 64):

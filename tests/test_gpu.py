@@ -171,13 +171,13 @@ def qwen3_config(device_type: str) -> dict:
 
 def _bf16_vs_fp32(rank, world_size):
     from megatron_grpo.launch import ParallelLayout, init_distributed, initialize_model_parallel
-    from megatron_grpo.models import ModelConfig, build_model
+    from megatron_grpo.models import ModelArchitecture, build_model
     from megatron_grpo.models.builder import unwrap
     from megatron_grpo.ops.vocab_parallel import vocab_parallel_logprobs_and_entropy
 
     device = init_distributed().device
     initialize_model_parallel(ParallelLayout(), seed=1234)
-    mc = ModelConfig.from_hf(qwen3_config(device.type))
+    mc = ModelArchitecture.from_hf(qwen3_config(device.type))
     (fp32,) = build_model(mc, dtype=torch.float32, backend="local")
     (bf16,) = build_model(mc, dtype=torch.bfloat16, backend="local")
     fp32.to(device)
@@ -267,7 +267,7 @@ def _engine_vs_trainer(rank, world_size, folder):
 
     from megatron_grpo.convert.loader import load_hf_weights
     from megatron_grpo.launch import ParallelLayout, init_distributed, initialize_model_parallel
-    from megatron_grpo.models import ModelConfig, build_model
+    from megatron_grpo.models import ModelArchitecture, build_model
     from megatron_grpo.rollout.local import LocalEngine
     from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
     from megatron_grpo.trainer.batching import TrainSample, collate
@@ -276,7 +276,7 @@ def _engine_vs_trainer(rank, world_size, folder):
     device = init_distributed().device
     initialize_model_parallel(ParallelLayout(), seed=1234)
     torch.backends.cuda.matmul.allow_tf32 = False
-    mc = ModelConfig.from_hf(folder)
+    mc = ModelArchitecture.from_hf(folder)
     g = GENERATION[device.type]
     gen = torch.Generator().manual_seed(5)
     # prompts of 4 lengths: the engine left-pads them (mask + positions), the trainer right-pads

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_grpo.errors import ConfigError
-from megatron_grpo.models.hf_config import ModelConfig
+from megatron_grpo.models.hf_config import ModelArchitecture
 from megatron_grpo.models.tiny import TINY_CONFIGS, save_tiny_hf_model, tiny_hf_config
 from megatron_grpo.testing.distributed import run_distributed
 
@@ -20,14 +20,14 @@ def _tokens(vocab: int) -> torch.Tensor:
 
 
 def test_model_config_fields():
-    cfg = ModelConfig.from_hf(tiny_hf_config("qwen3"), tensor_parallel=2, vocab_multiple=128)
+    cfg = ModelArchitecture.from_hf(tiny_hf_config("qwen3"), tensor_parallel=2, vocab_multiple=128)
     assert (cfg.head_dim, cfg.num_query_groups, cfg.qk_norm, cfg.qkv_bias) == (32, 2, True, False)
     assert cfg.padded_vocab_size == 256 and cfg.tie_word_embeddings
-    assert ModelConfig.from_hf(TINY_CONFIGS["qwen2"], vocab_multiple=8).padded_vocab_size == 256
-    assert ModelConfig.from_hf(TINY_CONFIGS["qwen2"]).qkv_bias
-    llama = ModelConfig.from_hf(TINY_CONFIGS["llama"])
+    assert ModelArchitecture.from_hf(TINY_CONFIGS["qwen2"], vocab_multiple=8).padded_vocab_size == 256
+    assert ModelArchitecture.from_hf(TINY_CONFIGS["qwen2"]).qkv_bias
+    llama = ModelArchitecture.from_hf(TINY_CONFIGS["llama"])
     assert llama.rope_scaling.original_max_position_embeddings == 64 and llama.rope_theta == 500000.0
-    again = ModelConfig.from_dict(llama.to_dict())
+    again = ModelArchitecture.from_dict(llama.to_dict())
     assert again == llama and again.padded_vocab_size == llama.padded_vocab_size
 
 
@@ -43,20 +43,20 @@ def test_model_config_fields():
 ])
 def test_unsupported_configs_raise(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf(dict(TINY_CONFIGS["qwen2"], **overrides))
+        ModelArchitecture.from_hf(dict(TINY_CONFIGS["qwen2"], **overrides))
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_output_projection_bias_rejected(arch):
     with pytest.raises(ConfigError, match="attention_bias=true"):
-        ModelConfig.from_hf(dict(TINY_CONFIGS[arch], attention_bias=True))
+        ModelArchitecture.from_hf(dict(TINY_CONFIGS[arch], attention_bias=True))
     if arch == "llama":
         with pytest.raises(ConfigError, match="mlp_bias"):
-            ModelConfig.from_hf(dict(TINY_CONFIGS[arch], mlp_bias=True))
+            ModelArchitecture.from_hf(dict(TINY_CONFIGS[arch], mlp_bias=True))
 
 
 def test_tp_must_divide():
-    cfg = ModelConfig.from_hf(TINY_CONFIGS["qwen2"])
+    cfg = ModelArchitecture.from_hf(TINY_CONFIGS["qwen2"])
     with pytest.raises(ConfigError, match="num_key_value_heads"):
         cfg.check_tensor_parallel(4)
 
@@ -70,7 +70,7 @@ def test_llama3_inv_freq_matches_transformers():
 
     hf_config = tiny_hf_config("llama")
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = ModelArchitecture.from_hf(hf_config)
     ours = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     assert torch.equal(ours, expected.float())
     plain = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None)
@@ -88,7 +88,7 @@ def _megatron_logits(rank, world_size, paths, tp, pp):
     initialize_model_parallel(layout)
     results = {}
     for arch, path in paths.items():
-        cfg = ModelConfig.from_hf(path, tensor_parallel=tp, vocab_multiple=8)
+        cfg = ModelArchitecture.from_hf(path, tensor_parallel=tp, vocab_multiple=8)
         build = build_reference_model if arch == "qwen3" else build_model  # both paths are exercised
         chunks = build(cfg, layout)
         load_hf_weights(chunks, cfg, path)
@@ -138,7 +138,7 @@ def _bf16_logits(rank, world_size, path):
     from megatron_grpo.models import build_model
 
     initialize_model_parallel(ParallelLayout())
-    cfg = ModelConfig.from_hf(path, vocab_multiple=8)
+    cfg = ModelArchitecture.from_hf(path, vocab_multiple=8)
     chunks = build_model(cfg, dtype=torch.bfloat16)
     load_hf_weights(chunks, cfg, path)
     assert next(chunks[0].parameters()).dtype == torch.bfloat16

@@ -58,7 +58,7 @@ def _first_step(rank, world_size, policy_path, parallel, samples):
     from megatron_grpo.convert import load_hf_weights
     from megatron_grpo.convert.export import gather_hf_weights_on_rank0
     from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
-    from megatron_grpo.models import ModelConfig, build_model
+    from megatron_grpo.models import ModelArchitecture, build_model
     from megatron_grpo.trainer.loop import global_batch_info, grpo_loss_config
     from megatron_grpo.trainer.micro_batches import plan_micro_batches
     from megatron_grpo.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
@@ -69,7 +69,7 @@ def _first_step(rank, world_size, policy_path, parallel, samples):
                                    "actor.max_tokens_per_micro_batch=48", "actor.entropy_coeff=0.01"])
     layout = ParallelLayout(**parallel)
     initialize_model_parallel(layout, seed=1)
-    mc = ModelConfig.from_hf(policy_path, tensor_parallel=layout.tensor, vocab_multiple=8)
+    mc = ModelArchitecture.from_hf(policy_path, tensor_parallel=layout.tensor, vocab_multiple=8)
     chunks = build_model(mc, layout)
     load_hf_weights(chunks, mc, policy_path)
     policy = wrap_with_ddp(chunks, use_distributed_optimizer=True)

@@ -44,7 +44,7 @@ def _stats(rank, world_size, path):
     from megatron_grpo.config import load_config
     from megatron_grpo.convert import load_hf_weights
     from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
-    from megatron_grpo.models import ModelConfig, build_reference_model
+    from megatron_grpo.models import ModelArchitecture, build_reference_model
     from megatron_grpo.models.moe_metrics import RouterStats
     from megatron_grpo.models.routing_replay import moe_routers
     from megatron_grpo.trainer.batching import TrainSample
@@ -53,7 +53,7 @@ def _stats(rank, world_size, path):
     cfg = load_config("tiny_cpu", ["rollout.n=2", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
                                    "parallel.expert=2"])
     initialize_model_parallel(ParallelLayout(expert=2), seed=1)
-    mc = ModelConfig.from_hf(path, vocab_multiple=8)
+    mc = ModelArchitecture.from_hf(path, vocab_multiple=8)
     chunks = build_reference_model(mc)
     load_hf_weights(chunks, mc, path)
     generator = torch.Generator().manual_seed(3 + rank)

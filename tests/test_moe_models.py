@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_grpo.errors import ConfigError
-from megatron_grpo.models.hf_config import ModelConfig
+from megatron_grpo.models.hf_config import ModelArchitecture
 from megatron_grpo.models.tiny import TINY_CONFIGS, save_tiny_hf_model
 from megatron_grpo.testing.distributed import run_distributed
 
@@ -28,21 +28,21 @@ def _tokens(vocab: int) -> torch.Tensor:
 
 
 def test_moe_config_fields():
-    cfg = ModelConfig.from_hf(TINY_CONFIGS["qwen3_moe"], vocab_multiple=8)
+    cfg = ModelArchitecture.from_hf(TINY_CONFIGS["qwen3_moe"], vocab_multiple=8)
     assert (cfg.num_experts, cfg.moe_top_k, cfg.moe_ffn_hidden_size) == (8, 2, 32)
     assert cfg.moe_layers == (0, 1, 3) and cfg.dense_layers == (2,) and cfg.norm_topk_prob
     assert cfg.router_aux_loss_coef == 0.0  # HF adds it only with output_router_logits
-    on = ModelConfig.from_hf(dict(TINY_CONFIGS["qwen3_moe"], output_router_logits=True, router_aux_loss_coef=0.01))
+    on = ModelArchitecture.from_hf(dict(TINY_CONFIGS["qwen3_moe"], output_router_logits=True, router_aux_loss_coef=0.01))
     assert on.router_aux_loss_coef == 0.01
     # HF: sparse where (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers
-    step2 = ModelConfig.from_hf(dict(TINY_CONFIGS["qwen3_moe"], decoder_sparse_step=2, mlp_only_layers=[]))
+    step2 = ModelArchitecture.from_hf(dict(TINY_CONFIGS["qwen3_moe"], decoder_sparse_step=2, mlp_only_layers=[]))
     assert step2.moe_layers == (1, 3)
     # Qwen's own config.json says num_experts; transformers >= 5 writes num_local_experts
     fields = dict(TINY_CONFIGS["qwen3_moe"])
     fields["num_local_experts"] = fields.pop("num_experts")
-    assert ModelConfig.from_hf(fields).num_experts == 8
-    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
-    assert ModelConfig.from_hf(TINY_CONFIGS["qwen3"]).num_experts == 0
+    assert ModelArchitecture.from_hf(fields).num_experts == 8
+    assert ModelArchitecture.from_dict(cfg.to_dict()) == cfg
+    assert ModelArchitecture.from_hf(TINY_CONFIGS["qwen3"]).num_experts == 0
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -55,28 +55,28 @@ def test_moe_config_fields():
 ])
 def test_bad_moe_configs_raise(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf(dict(TINY_CONFIGS["qwen3_moe"], **overrides))
+        ModelArchitecture.from_hf(dict(TINY_CONFIGS["qwen3_moe"], **overrides))
 
 
 def test_dense_models_still_refuse_experts():
     with pytest.raises(ConfigError, match="num_experts=8 .mixture of experts. is not supported for model_type 'qwen3'"):
-        ModelConfig.from_hf(dict(TINY_CONFIGS["qwen3"], num_experts=8))
+        ModelArchitecture.from_hf(dict(TINY_CONFIGS["qwen3"], num_experts=8))
 
 
 def test_expert_parallel_must_divide():
-    cfg = ModelConfig.from_hf(TINY_CONFIGS["qwen3_moe"])
+    cfg = ModelArchitecture.from_hf(TINY_CONFIGS["qwen3_moe"])
     with pytest.raises(ConfigError, match="expert parallel size 3 does not divide num_experts = 8"):
         cfg.check_expert_parallel(3, 1)
     with pytest.raises(ConfigError, match="expert tensor parallel size 3 does not divide moe_intermediate_size"):
         cfg.check_expert_parallel(1, 3)
     with pytest.raises(ConfigError, match="has no experts"):
-        ModelConfig.from_hf(TINY_CONFIGS["qwen3"]).check_expert_parallel(2, 1)
+        ModelArchitecture.from_hf(TINY_CONFIGS["qwen3"]).check_expert_parallel(2, 1)
 
 
 def test_hf_names_of_the_moe_model():
     from megatron_grpo.convert.mappings import expected_hf_tensors
 
-    cfg = ModelConfig.from_hf(TINY_CONFIGS["qwen3_moe"])
+    cfg = ModelArchitecture.from_hf(TINY_CONFIGS["qwen3_moe"])
     names = expected_hf_tensors(cfg)
     assert names["model.layers.0.mlp.gate.weight"] == (8, 64)
     assert names["model.layers.3.mlp.experts.7.down_proj.weight"] == (64, 32)
@@ -94,7 +94,7 @@ def _logits_and_export(rank, world_size, path, tp, pp, ep, etp):
 
     layout = ParallelLayout(tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp)
     initialize_model_parallel(layout)
-    cfg = ModelConfig.from_hf(path, tensor_parallel=tp, vocab_multiple=8)
+    cfg = ModelArchitecture.from_hf(path, tensor_parallel=tp, vocab_multiple=8)
     chunks = build_reference_model(cfg, layout)
     load_hf_weights(chunks, cfg, path)
     local_experts = {len(layer.mlp.local_expert_indices) for layer in chunks[0].decoder.layers

@@ -57,7 +57,7 @@ def _packed_and_padded(rank, world_size, policy_path, ref_path, parallel, overri
     from megatron_grpo.config import load_config
     from megatron_grpo.convert import export_hf_weights, load_hf_weights
     from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
-    from megatron_grpo.models import ModelConfig, build_model, build_reference_model
+    from megatron_grpo.models import ModelArchitecture, build_model, build_reference_model
     from megatron_grpo.trainer.loop import global_batch_info, grpo_loss_config
     from megatron_grpo.trainer.micro_batches import padding_metrics, plan_micro_batches
     from megatron_grpo.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
@@ -70,7 +70,7 @@ def _packed_and_padded(rank, world_size, policy_path, ref_path, parallel, overri
         "actor.kl_loss_type=low_var_kl", f"actor.entropy_coeff={ENTROPY_COEF}", "actor.tis_cap=2.0", *overrides])
     layout = ParallelLayout(**parallel)
     initialize_model_parallel(layout, seed=1)
-    mc = ModelConfig.from_hf(policy_path, tensor_parallel=layout.tensor, vocab_multiple=8)
+    mc = ModelArchitecture.from_hf(policy_path, tensor_parallel=layout.tensor, vocab_multiple=8)
     cpu = torch.device("cpu")
     out = {}
     for packing in (False, True):

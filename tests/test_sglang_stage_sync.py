@@ -21,7 +21,7 @@ def _sync_into_sglang(rank, world_size, url, model_dir, break_stage):
     from megatron_grpo.convert.stage_export import StageRole
     from megatron_grpo.errors import RolloutFailure
     from megatron_grpo.launch import ParallelLayout, initialize_model_parallel
-    from megatron_grpo.models import ModelConfig, build_model
+    from megatron_grpo.models import ModelArchitecture, build_model
     from megatron_grpo.rollout.sglang.client import SGLangClient
     from megatron_grpo.rollout.sglang.engine import EngineOptions, SGLangEngine
     from megatron_grpo.rollout.sglang.http_json import request_json
@@ -33,7 +33,7 @@ def _sync_into_sglang(rank, world_size, url, model_dir, break_stage):
     from tests.sglang_harness.fixtures import sglang_checksum
 
     initialize_model_parallel(ParallelLayout(tensor=1, pipeline=2), seed=3)
-    cfg = ModelConfig.from_hf(model_dir, tensor_parallel=1, vocab_multiple=8)
+    cfg = ModelArchitecture.from_hf(model_dir, tensor_parallel=1, vocab_multiple=8)
     chunks = build_model(cfg)
     load_hf_weights(chunks, cfg, model_dir)
 

@@ -17,7 +17,7 @@ def _sync_per_stage(rank, world_size, layout, model_dir, other_dir):
     from megatron_grpo.convert.loader import load_hf_weights
     from megatron_grpo.convert.stage_export import StageRole
     from megatron_grpo.launch import ParallelLayout, initialize_model_parallel
-    from megatron_grpo.models import ModelConfig, build_model
+    from megatron_grpo.models import ModelArchitecture, build_model
     from megatron_grpo.rollout.engine_process import EngineSpec, ProcessEngine
     from megatron_grpo.rollout.local import LocalEngine
     from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
@@ -27,7 +27,7 @@ def _sync_per_stage(rank, world_size, layout, model_dir, other_dir):
 
     tp, pp = layout
     initialize_model_parallel(ParallelLayout(tensor=tp, pipeline=pp), seed=3)
-    cfg = ModelConfig.from_hf(model_dir, tensor_parallel=tp, vocab_multiple=8)
+    cfg = ModelArchitecture.from_hf(model_dir, tensor_parallel=tp, vocab_multiple=8)
     chunks = build_model(cfg)
     load_hf_weights(chunks, cfg, model_dir)
 

@@ -187,10 +187,10 @@ def hf_to_megatron(args) -> Path:
     from megatron_grpo.convert.to_hf import check_layout_fits
     from megatron_grpo.convert.writer import hf_config_dtype
     from megatron_grpo.launch.parallel import initialize_model_parallel
-    from megatron_grpo.models import ModelConfig, build_model
+    from megatron_grpo.models import ModelArchitecture, build_model
 
     _check_output(args.out, args.force)
-    cfg = ModelConfig.from_hf(args.hf, tensor_parallel=args.tp, vocab_multiple=args.vocab_multiple)
+    cfg = ModelArchitecture.from_hf(args.hf, tensor_parallel=args.tp, vocab_multiple=args.vocab_multiple)
     check_layout_fits(cfg, args.tp, args.pp, f"{args.hf}/config.json")
     check_expert_layout(cfg, args, f"{args.hf}/config.json")
     dtype = _DTYPES[args.dtype] if args.dtype != "auto" else (hf_config_dtype(cfg) or torch.float32)

@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 from megatron_grpo.convert.mappings import bind
 from megatron_grpo.models.builder import unwrap
-from megatron_grpo.models.hf_config import ModelConfig
+from megatron_grpo.models.hf_config import ModelArchitecture
 
 
-def export_hf_weights(model_chunks: Sequence[torch.nn.Module], cfg: ModelConfig,
+def export_hf_weights(model_chunks: Sequence[torch.nn.Module], cfg: ModelArchitecture,
                       dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, full tensor) for every HF tensor this pipeline stage owns; see module doc."""
     from megatron.core import parallel_state as ps
@@ -67,7 +67,7 @@ def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     return parts
 
 
-def gather_experts_over_ep(item, cfg: ModelConfig, dtype: torch.dtype | None = None
+def gather_experts_over_ep(item, cfg: ModelArchitecture, dtype: torch.dtype | None = None
                            ) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, full tensor) of one local expert's tensor on every EP rank of this stage: the
     shards of each expert are gathered over its expert-TP group (item.shard_group), then the
@@ -98,7 +98,7 @@ def _rename_expert(name: str, expert: int, other: int) -> str:
 _END = "__end_of_stage__"
 
 
-def gather_hf_weights_on_rank0(model_chunks: Sequence[torch.nn.Module], cfg: ModelConfig,
+def gather_hf_weights_on_rank0(model_chunks: Sequence[torch.nn.Module], cfg: ModelArchitecture,
                                dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """All HF tensors of the model, yielded on global rank 0 only; every rank must exhaust it."""
     from megatron.core import parallel_state as ps
@@ -132,7 +132,7 @@ def gather_hf_weights_on_rank0(model_chunks: Sequence[torch.nn.Module], cfg: Mod
                 yield name, tensor
 
 
-def hf_weights_on_every_rank(model_chunks: Sequence[torch.nn.Module], cfg: ModelConfig,
+def hf_weights_on_every_rank(model_chunks: Sequence[torch.nn.Module], cfg: ModelArchitecture,
                              dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """All HF tensors of the model, yielded on every rank (see the module docstring): stage s's
     tensors are broadcast from its rank in each pipeline group, one tensor at a time."""

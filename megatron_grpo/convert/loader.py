@@ -12,19 +12,19 @@ from megatron_grpo.convert.hf_io import HFCheckpoint
 from megatron_grpo.convert.mappings import IGNORED_WHEN_TIED, bind, expected_hf_tensors
 from megatron_grpo.errors import CheckpointError
 from megatron_grpo.models.builder import unwrap
-from megatron_grpo.models.hf_config import ModelConfig, load_hf_config_dict
+from megatron_grpo.models.hf_config import ModelArchitecture, load_hf_config_dict
 
 
-def check_hf_config_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
+def check_hf_config_matches(cfg: ModelArchitecture, hf_dir: str | Path) -> None:
     """The folder's config.json builds the same network as `cfg` (else CheckpointError)."""
-    other = ModelConfig.from_hf(load_hf_config_dict(hf_dir)[0])
-    other = ModelConfig.from_dict({"hf_config": other.hf_config, "padded_vocab_size": cfg.padded_vocab_size})
+    other = ModelArchitecture.from_hf(load_hf_config_dict(hf_dir)[0])
+    other = ModelArchitecture.from_dict({"hf_config": other.hf_config, "padded_vocab_size": cfg.padded_vocab_size})
     diff = cfg.same_math_as(other)
     if diff:
         raise CheckpointError(f"{Path(hf_dir) / 'config.json'} does not match the model config: differs in {diff}")
 
 
-def load_hf_weights(model_chunks: Sequence[torch.nn.Module], cfg: ModelConfig, hf_dir: str | Path,
+def load_hf_weights(model_chunks: Sequence[torch.nn.Module], cfg: ModelArchitecture, hf_dir: str | Path,
                     progress: bool = False) -> int:
     """Copies the HF weights into every parameter of `model_chunks` (this rank's shards).
     Validates the whole folder (names, shapes, file sizes, config) first. Returns the number of

@@ -23,13 +23,13 @@ import torch
 from megatron_grpo.convert.transforms import (ExpertTensorParallel, FusedGateUp, FusedQKV, Replicated, Split,
                                               Transform, VocabRows)
 from megatron_grpo.errors import CheckpointError
-from megatron_grpo.models.hf_config import ModelConfig
+from megatron_grpo.models.hf_config import ModelArchitecture
 
 # Where a tensor lives: "first" = pre_process stage, "last" = post_process stage,
 # "last_only" = post_process stage that is not also pre_process (the tied output copy), "layer".
 Place = Literal["first", "last", "last_only", "layer"]
 LayerKind = Literal["all", "dense", "moe"]  # which layers a "layer" rule applies to
-ShapeFn = Callable[[ModelConfig], tuple[tuple[int, ...], ...]]
+ShapeFn = Callable[[ModelArchitecture], tuple[tuple[int, ...], ...]]
 
 
 @dataclass(frozen=True)
@@ -39,12 +39,12 @@ class Rule:
     transform: Transform
     hf_shapes: ShapeFn
     place: Place
-    when: Callable[[ModelConfig], bool] = lambda cfg: True
+    when: Callable[[ModelArchitecture], bool] = lambda cfg: True
     export: bool = True  # False for the tied output-layer copy: HF stores it once, as embed_tokens
     layers: LayerKind = "all"
     per_expert: bool = False  # one tensor per routed expert ("{expert}" in the names)
 
-    def applies_to(self, cfg: ModelConfig, layer: int) -> bool:
+    def applies_to(self, cfg: ModelArchitecture, layer: int) -> bool:
         if self.layers == "all":
             return True
         return (layer in cfg.moe_layers) == (self.layers == "moe")
@@ -120,14 +120,14 @@ MAPPINGS: dict[str, tuple[Rule, ...]] = {
 IGNORED_WHEN_TIED = ("lm_head.weight",)
 
 
-def rules_for(cfg: ModelConfig) -> tuple[Rule, ...]:
+def rules_for(cfg: ModelArchitecture) -> tuple[Rule, ...]:
     if cfg.architecture not in MAPPINGS:
         raise CheckpointError(f"no conversion table for model_type {cfg.architecture!r}; "
                               f"supported: {', '.join(sorted(MAPPINGS))}")
     return tuple(rule for rule in MAPPINGS[cfg.architecture] if rule.when(cfg))
 
 
-def expected_hf_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_hf_tensors(cfg: ModelArchitecture) -> dict[str, tuple[int, ...]]:
     """Every HF tensor of the full model -> its shape, in HF order (embedding, layers, norm, head)."""
     out: dict[str, tuple[int, ...]] = {}
     for rule in rules_for(cfg):
@@ -174,7 +174,7 @@ def _expert_tensor_parallel(linear) -> tuple[Any, int, int]:
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
-def bind(model, cfg: ModelConfig) -> list[BoundTensor]:
+def bind(model, cfg: ModelArchitecture) -> list[BoundTensor]:
     """Pairs every parameter of one (unwrapped) GPTModel chunk with its rule, in HF order.
     Raises CheckpointError if a parameter has no rule or a rule finds no parameter."""
     params = dict(model.named_parameters())

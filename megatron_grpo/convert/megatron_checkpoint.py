@@ -1,6 +1,6 @@
 """Our Megatron weights checkpoint: megatron dist_checkpointing (torch_dist) + the model config.
 
-    <dir>/megatron_grpo_model.json   ModelConfig.to_dict(): the HF config and the padded vocab
+    <dir>/megatron_grpo_model.json   ModelArchitecture.to_dict(): the HF config and the padded vocab
     <dir>/hf_assets/                 generation config and tokenizer files of the source HF model
     <dir>/model/                     torch_dist checkpoint of the model chunks (layout-free: loads
                                      at any TP/PP/VPP whose TP divides heads, groups, ffn, vocab)
@@ -20,13 +20,13 @@ import torch.distributed as dist
 from megatron_grpo.checkpointing.sharded import READ_ERRORS, load_model_state, model_sharded_state_dict, short_error
 from megatron_grpo.convert.writer import copy_hf_assets
 from megatron_grpo.errors import CheckpointError
-from megatron_grpo.models.hf_config import MODEL_CONFIG_FILE, ModelConfig
+from megatron_grpo.models.hf_config import MODEL_CONFIG_FILE, ModelArchitecture
 
 WEIGHTS_DIR = "model"
 ASSETS_DIR = "hf_assets"
 
 
-def save_megatron_checkpoint(model_chunks: Sequence[torch.nn.Module], cfg: ModelConfig, out_dir: str | Path,
+def save_megatron_checkpoint(model_chunks: Sequence[torch.nn.Module], cfg: ModelArchitecture, out_dir: str | Path,
                              assets_from: str | Path | None = None, overwrite: bool = False) -> Path:
     """Saves the (sharded) model; rank 0 writes the config and copies assets from `assets_from`."""
     from megatron.core import dist_checkpointing
@@ -54,11 +54,11 @@ def save_megatron_checkpoint(model_chunks: Sequence[torch.nn.Module], cfg: Model
 
 
 def load_megatron_checkpoint(model_chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path,
-                             cfg: ModelConfig | None = None) -> ModelConfig:
+                             cfg: ModelArchitecture | None = None) -> ModelArchitecture:
     """Loads weights saved by save_megatron_checkpoint into this rank's chunks. When `cfg` is given
     (the config the chunks were built from) it must describe the same network as the stored one."""
     ckpt_dir = Path(ckpt_dir)
-    stored = ModelConfig.load(ckpt_dir)
+    stored = ModelArchitecture.load(ckpt_dir)
     if cfg is not None:
         diff = cfg.same_math_as(stored)
         if diff:

@@ -27,7 +27,7 @@ from megatron_grpo.checkpointing.layout import (COMPLETE_MARKER, CONFIG_FILE, IN
                                                 STEP_DIR, validate_checkpoint)
 from megatron_grpo.convert.megatron_checkpoint import ASSETS_DIR, WEIGHTS_DIR
 from megatron_grpo.errors import CheckpointError
-from megatron_grpo.models.hf_config import MODEL_CONFIG_FILE, ModelConfig
+from megatron_grpo.models.hf_config import MODEL_CONFIG_FILE, ModelArchitecture
 
 DIST_METADATA = "metadata.json"     # megatron dist_checkpointing's marker in a torch_dist folder
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
@@ -40,7 +40,7 @@ class MegatronSource:
     """Megatron weights to export: a torch_dist folder and what describes them."""
 
     weights_dir: Path            # torch_dist folder (model only, or model + optimizer)
-    model_config: ModelConfig    # padded vocab = the stored one
+    model_config: ModelArchitecture    # padded vocab = the stored one
     assets_dir: Path | None      # tokenizer files / generation_config.json to copy
     label: str                   # for messages: the step_N or convert checkpoint folder
     step: int | None = None      # training step, None for a convert checkpoint
@@ -82,7 +82,7 @@ def _convert_source(ckpt: Path, step: int | None) -> MegatronSource:
     weights = ckpt / WEIGHTS_DIR
     _require_torch_dist(weights)
     assets = ckpt / ASSETS_DIR
-    return MegatronSource(weights, ModelConfig.load(ckpt), assets if assets.is_dir() else None, str(ckpt))
+    return MegatronSource(weights, ModelArchitecture.load(ckpt), assets if assets.is_dir() else None, str(ckpt))
 
 
 def _step_folders(root: Path) -> dict[int, Path]:
@@ -124,12 +124,12 @@ def _step_source(step_dir: Path, step: int | None, hf_reference: str | Path | No
     if padded is None:
         raise CheckpointError(f"{weights}: no {EMBEDDING_KEY} among the stored tensors; not a model checkpoint")
     if is_convert_checkpoint(model_dir):
-        hf_config, assets = ModelConfig.load(model_dir).hf_config, model_dir / ASSETS_DIR
+        hf_config, assets = ModelArchitecture.load(model_dir).hf_config, model_dir / ASSETS_DIR
     else:
         from megatron_grpo.models.hf_config import load_hf_config_dict
 
         hf_config, assets = load_hf_config_dict(model_dir)[0], model_dir
-    cfg = ModelConfig.from_dict({"hf_config": hf_config, "padded_vocab_size": padded[0]},
+    cfg = ModelArchitecture.from_dict({"hf_config": hf_config, "padded_vocab_size": padded[0]},
                                 where=f"{model_dir} (model of {step_dir / COMPLETE_MARKER})")
     return MegatronSource(weights, cfg, assets if assets.is_dir() else None, str(step_dir), number)
 

@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 import torch
 
 from megatron_grpo.convert.export import export_hf_weights, hf_weights_on_every_rank
-from megatron_grpo.models.hf_config import ModelConfig
+from megatron_grpo.models.hf_config import ModelArchitecture
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class StageRole:
     def label(self) -> str:
         return f"stage {self.stage}"
 
-    def export(self, model_chunks: Sequence[torch.nn.Module], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    def export(self, model_chunks: Sequence[torch.nn.Module], cfg: ModelArchitecture) -> Iterator[tuple[str, torch.Tensor]]:
         return stage_hf_weights(model_chunks, cfg, role=self)
 
 
@@ -66,11 +66,11 @@ class WholeModelRole:
     stage: int = 0  # one turn: all senders at once
     num_stages: int = 1
 
-    def export(self, model_chunks: Sequence[torch.nn.Module], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    def export(self, model_chunks: Sequence[torch.nn.Module], cfg: ModelArchitecture) -> Iterator[tuple[str, torch.Tensor]]:
         return hf_weights_on_every_rank(model_chunks, cfg)
 
 
-def stage_hf_weights(model_chunks: Sequence[torch.nn.Module], cfg: ModelConfig, dtype: torch.dtype | None = None,
+def stage_hf_weights(model_chunks: Sequence[torch.nn.Module], cfg: ModelArchitecture, dtype: torch.dtype | None = None,
                      role: StageRole | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, full tensor) of this stage on its sender; see the module docstring."""
     role = role or StageRole.current()

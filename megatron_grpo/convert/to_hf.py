@@ -16,12 +16,12 @@ import torch.distributed as dist
 from megatron_grpo.convert.sources import MegatronSource, stored_model_dtype
 from megatron_grpo.convert.writer import DEFAULT_MAX_SHARD_BYTES, HFWriter
 from megatron_grpo.errors import CheckpointError, ConfigError
-from megatron_grpo.models.hf_config import ModelConfig
+from megatron_grpo.models.hf_config import ModelArchitecture
 
 HF_SUBDIR = "hf"  # <step_dir>/hf with checkpoint.save_hf=true
 
 
-def check_layout_fits(cfg: ModelConfig, tp: int, pp: int, where: str,
+def check_layout_fits(cfg: ModelArchitecture, tp: int, pp: int, where: str,
                       names: tuple[str, str] = ("--tp", "--pp")) -> None:
     """The model splits over `tp` x `pp` ranks; else one ConfigError naming the option (`names`)
     and the model (`where`), instead of megatron's assertion deep in model building."""
@@ -66,7 +66,7 @@ def write_hf_export(run, step_dir: str | Path) -> Path:
     return write_hf_folder(stream, out, run.model_config, assets_dir=Path(run.model_dir), overwrite=True)
 
 
-def write_hf_folder(stream: Iterator[tuple[str, torch.Tensor]], out: Path, cfg: ModelConfig, *,
+def write_hf_folder(stream: Iterator[tuple[str, torch.Tensor]], out: Path, cfg: ModelArchitecture, *,
                     assets_dir: Path | None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                     overwrite: bool = False, progress: bool = False) -> Path:
     """Rank 0 writes the gathered tensors; every rank exhausts the stream. A write error on rank 0

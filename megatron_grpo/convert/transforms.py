@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from megatron_grpo.models.hf_config import ModelConfig
+from megatron_grpo.models.hf_config import ModelArchitecture
 
 
 
@@ -34,10 +34,10 @@ def _part(total: int, rank: int, size: int) -> tuple[int, int]:
 class Transform(Protocol):
     tp_split: bool
 
-    def load_shard(self, src: TensorSource, hf_names: tuple[str, ...], cfg: ModelConfig,
+    def load_shard(self, src: TensorSource, hf_names: tuple[str, ...], cfg: ModelArchitecture,
                    tp_rank: int, tp_size: int) -> torch.Tensor: ...
 
-    def to_hf(self, shards: list[torch.Tensor], cfg: ModelConfig) -> list[torch.Tensor]: ...
+    def to_hf(self, shards: list[torch.Tensor], cfg: ModelArchitecture) -> list[torch.Tensor]: ...
 
 
 @dataclass(frozen=True)

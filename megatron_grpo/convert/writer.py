@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from megatron_grpo.convert.hf_io import INDEX_FILE, SINGLE_FILE
 from megatron_grpo.convert.mappings import expected_hf_tensors
 from megatron_grpo.errors import CheckpointError
-from megatron_grpo.models.hf_config import ModelConfig
+from megatron_grpo.models.hf_config import ModelArchitecture
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 # Files of an HF model folder that are not weights and not config.json: copied verbatim.
@@ -49,14 +49,14 @@ def copy_hf_assets(src: str | Path, dst: str | Path, names: tuple[str, ...] = AS
     return copied
 
 
-def generation_config_from(cfg: ModelConfig) -> dict:
+def generation_config_from(cfg: ModelArchitecture) -> dict:
     """What transformers' GenerationConfig.from_model_config keeps of config.json (special token
     ids), for a source folder that had no generation_config.json."""
     keys = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
     return {"_from_model_config": True, **{k: cfg.hf_config[k] for k in keys if cfg.hf_config.get(k) is not None}}
 
 
-def hf_config_dtype(cfg: ModelConfig) -> torch.dtype | None:
+def hf_config_dtype(cfg: ModelArchitecture) -> torch.dtype | None:
     """The dtype config.json declares for the weights (transformers 5: 'dtype'; 4: 'torch_dtype')."""
     name = cfg.hf_config.get("dtype") or cfg.hf_config.get("torch_dtype")
     if name is None:
@@ -167,7 +167,7 @@ class HFWriter(SafetensorsFolder):
     dtype (or `dtype`); config.json written from cfg, generation_config.json from the assets or
     cfg's special tokens."""
 
-    def __init__(self, out_dir: str | Path, cfg: ModelConfig, *, assets_dir: str | Path | None = None,
+    def __init__(self, out_dir: str | Path, cfg: ModelArchitecture, *, assets_dir: str | Path | None = None,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None,
                  overwrite: bool = False):
         super().__init__(out_dir, assets_dir=assets_dir, max_shard_bytes=max_shard_bytes,

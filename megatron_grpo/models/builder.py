@@ -1,8 +1,8 @@
-"""Build megatron-core GPTModel chunks for this rank from a ModelConfig.
+"""Build megatron-core GPTModel chunks for this rank from a ModelArchitecture.
 
     layout = ParallelLayout(tensor=2, pipeline=2)
     initialize_model_parallel(layout)
-    cfg = ModelConfig.from_hf("/models/Qwen3-8B", tensor_parallel=layout.tensor)
+    cfg = ModelArchitecture.from_hf("/models/Qwen3-8B", tensor_parallel=layout.tensor)
     chunks = build_model(cfg, layout)                # list: one chunk per virtual stage
     load_hf_weights(chunks, cfg, "/models/Qwen3-8B")   # megatron_grpo.convert
 
@@ -18,7 +18,7 @@ import torch
 
 from megatron_grpo.errors import ConfigError
 from megatron_grpo.launch.parallel import ParallelLayout
-from megatron_grpo.models.hf_config import ModelConfig
+from megatron_grpo.models.hf_config import ModelArchitecture
 from megatron_grpo.models.rope import rope_inv_freq
 from megatron_grpo.models.spec import Backend, block_spec, resolve_backend
 
@@ -34,7 +34,7 @@ class Recompute:
     num_layers: int | None = None
 
 
-def transformer_config(model_config: ModelConfig, layout: ParallelLayout, dtype: torch.dtype = torch.float32,
+def transformer_config(model_config: ModelArchitecture, layout: ParallelLayout, dtype: torch.dtype = torch.float32,
                        recompute: Recompute = Recompute(), backend: Backend = "auto"):
     """The megatron TransformerConfig of this model under `layout`."""
     import torch.nn.functional as F
@@ -87,7 +87,7 @@ def transformer_config(model_config: ModelConfig, layout: ParallelLayout, dtype:
     )
 
 
-def moe_config(model_config: ModelConfig, layout: ParallelLayout, grouped_gemm: bool = False) -> dict:
+def moe_config(model_config: ModelArchitecture, layout: ParallelLayout, grouped_gemm: bool = False) -> dict:
     """TransformerConfig's MoE fields for HF Qwen3-MoE's math (nothing for dense models).
 
     Router: HF takes softmax over all experts, then the top-k, renormalised when norm_topk_prob.
@@ -135,7 +135,7 @@ def current_layout(sequence_parallel: bool = False) -> ParallelLayout:
                           expert_tensor=ps.get_expert_tensor_parallel_world_size())
 
 
-def build_model(model_config: ModelConfig, layout: ParallelLayout | None = None, *,
+def build_model(model_config: ModelArchitecture, layout: ParallelLayout | None = None, *,
                 dtype: torch.dtype = torch.float32, backend: Backend = "auto",
                 recompute: Recompute = Recompute()) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage; one without VPP).
@@ -149,7 +149,7 @@ def build_model(model_config: ModelConfig, layout: ParallelLayout | None = None,
     return chunks
 
 
-def _build(model_config: ModelConfig, layout: ParallelLayout | None, dtype: torch.dtype, backend: Backend,
+def _build(model_config: ModelArchitecture, layout: ParallelLayout | None, dtype: torch.dtype, backend: Backend,
            recompute: Recompute) -> list[torch.nn.Module]:
     from megatron.core import parallel_state as ps
 
@@ -200,7 +200,7 @@ def _build_chunk(model_config, config, spec, pre_process, post_process, vp_stage
     return model
 
 
-def build_reference_model(model_config: ModelConfig, layout: ParallelLayout | None = None, *,
+def build_reference_model(model_config: ModelArchitecture, layout: ParallelLayout | None = None, *,
                           dtype: torch.dtype = torch.float32, backend: Backend = "auto") -> list[torch.nn.Module]:
     """Same network as build_model, frozen (requires_grad False) and in eval mode; no optimizer."""
     chunks = _build(model_config, layout, dtype, backend, Recompute())

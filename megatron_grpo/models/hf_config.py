@@ -1,6 +1,6 @@
-"""HF config.json -> our typed ModelConfig, with every math-changing field checked.
+"""HF config.json -> our typed ModelArchitecture, with every math-changing field checked.
 
-A ModelConfig is the single description of the network that the builder, the converter and the
+A ModelArchitecture is the single description of the network that the builder, the converter and the
 checkpoint tools share. It keeps the original HF config dict (written back verbatim on export)
 and the padded vocabulary size (fixed once, at conversion time, so that a checkpoint reloads at
 any TP size that divides it).
@@ -31,7 +31,7 @@ class Llama3RopeScaling:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelArchitecture:
     architecture: str
     num_layers: int
     hidden_size: int
@@ -75,7 +75,7 @@ class ModelConfig:
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, source: HFConfigSource, tensor_parallel: int = 1,
-                vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE) -> "ModelConfig":
+                vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE) -> "ModelArchitecture":
         """Reads and validates an HF config; pads the vocabulary to a multiple of
         vocab_multiple * tensor_parallel (megatron's make-vocab-size-divisible-by rule)."""
         hf, where = load_hf_config_dict(source)
@@ -83,7 +83,7 @@ class ModelConfig:
                       vocab_multiple=vocab_multiple)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], where: str = "model config") -> "ModelConfig":
+    def from_dict(cls, data: Mapping[str, Any], where: str = "model config") -> "ModelArchitecture":
         """Inverse of to_dict(): re-parses the stored HF config and keeps the stored padding."""
         try:
             hf = dict(data["hf_config"])
@@ -103,7 +103,7 @@ class ModelConfig:
         return path
 
     @classmethod
-    def load(cls, directory: str | Path) -> "ModelConfig":
+    def load(cls, directory: str | Path) -> "ModelArchitecture":
         path = Path(directory) / MODEL_CONFIG_FILE
         if not path.is_file():
             raise CheckpointError(f"{path}: not found; this is not a megatron-grpo checkpoint "
@@ -138,7 +138,7 @@ class ModelConfig:
             raise ConfigError(f"expert tensor parallel size {expert_tensor_parallel} does not divide "
                               f"moe_intermediate_size = {self.moe_ffn_hidden_size}")
 
-    def same_math_as(self, other: "ModelConfig") -> list[str]:
+    def same_math_as(self, other: "ModelArchitecture") -> list[str]:
         """Names of derived fields that differ (empty when the two configs build the same model)."""
         mine, theirs = self.to_dict()["derived"], other.to_dict()["derived"]
         return sorted(k for k in mine if mine[k] != theirs.get(k))
@@ -168,7 +168,7 @@ def _require(hf: Mapping, key: str, where: str):
 
 
 def _parse(hf: dict, where: str, padded_vocab_size: int | None, tensor_parallel: int,
-           vocab_multiple: int) -> ModelConfig:
+           vocab_multiple: int) -> ModelArchitecture:
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"{where}: model_type {model_type!r} is not supported; supported: "
@@ -195,7 +195,7 @@ def _parse(hf: dict, where: str, padded_vocab_size: int | None, tensor_parallel:
     rope_theta, rope_scaling = _parse_rope(hf, where)
     num_layers = int(_require(hf, "num_hidden_layers", where))
     moe = _parse_moe(hf, spec, num_layers, where)
-    return ModelConfig(
+    return ModelArchitecture(
         architecture=model_type,
         num_layers=num_layers,
         hidden_size=hidden,
@@ -219,7 +219,7 @@ def _parse(hf: dict, where: str, padded_vocab_size: int | None, tensor_parallel:
 
 
 def _parse_moe(hf: Mapping, spec: ArchitectureSpec, num_layers: int, where: str) -> dict:
-    """The MoE fields of ModelConfig (empty for dense architectures), as HF Qwen3-MoE reads them."""
+    """The MoE fields of ModelArchitecture (empty for dense architectures), as HF Qwen3-MoE reads them."""
     if not spec.moe:
         return {}
     # Qwen's config.json says num_experts; transformers >= 5 saves it as num_local_experts (an alias).

@@ -14,7 +14,7 @@ import logging
 from typing import Literal
 
 from megatron_grpo.errors import ConfigError
-from megatron_grpo.models.hf_config import ModelConfig
+from megatron_grpo.models.hf_config import ModelArchitecture
 from megatron_grpo.optional import available
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def resolve_backend(requested: Backend = "auto") -> str:
     return backend
 
 
-def layer_spec(model_config: ModelConfig, context_parallel: int = 1, backend: Backend = "auto",
+def layer_spec(model_config: ModelArchitecture, context_parallel: int = 1, backend: Backend = "auto",
                sparse: bool = False):
     """The ModuleSpec of one decoder layer (a MoE layer with `sparse`)."""
     from megatron_grpo.launch.mcore_compat import local_layer_spec, transformer_engine_layer_spec
@@ -60,7 +60,7 @@ def layer_spec(model_config: ModelConfig, context_parallel: int = 1, backend: Ba
     return spec
 
 
-def block_spec(model_config: ModelConfig, config, context_parallel: int = 1, backend: Backend = "auto",
+def block_spec(model_config: ModelArchitecture, config, context_parallel: int = 1, backend: Backend = "auto",
                vp_stage: int | None = None):
     """What GPTModel's transformer_layer_spec takes for this rank's pipeline stage: one layer spec
     for dense models; for MoE models the block of this stage's layers, each sparse or dense."""

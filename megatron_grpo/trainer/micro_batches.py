@@ -133,7 +133,7 @@ def split_over_ranks(costs: list[float], indices: list[int], num_ranks: int) -> 
 def plan_micro_batches(samples: list[TrainSample], cfg: Config, *, purpose: Purpose = "train",
                        model_config=None, skip_mini_batches: int = 0) -> list[list[MicroBatch]]:
     """This rank's micro-batches for each mini-batch of the step (from `skip_mini_batches` on),
-    under megatron's current parallel state. `model_config` (models.ModelConfig) weighs attention
+    under megatron's current parallel state. `model_config` (models.ModelArchitecture) weighs attention
     in the balancing; without it sequences cost their length."""
     weight = attention_cost_weight(model_config) if model_config is not None else 0.0
     return plan(samples, MicroBatching.from_config(cfg, purpose, weight),

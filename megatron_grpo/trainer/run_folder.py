@@ -39,7 +39,7 @@ DEFINING_KEYS = (
     "data.shuffle", "data.seed", "reward.function", "trainer.seed",
 )
 _PATH_KEYS = ("model.path", "model.config_path", "model.tokenizer_path", "data.train_files")
-# The model's shapes that do not depend on the parallel layout (models.ModelConfig fields; the
+# The model's shapes that do not depend on the parallel layout (models.ModelArchitecture fields; the
 # padded vocabulary depends on TP, so the HF vocabulary is recorded instead).
 SHAPE_FIELDS = ("architecture", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "num_query_groups", "head_dim", "vocab_size", "tie_word_embeddings", "qkv_bias", "qk_norm")
@@ -68,7 +68,7 @@ def run_definition(config: Config | Mapping[str, Any]) -> dict[str, Any]:
 
 
 def model_shapes(model_config) -> dict[str, Any]:
-    """Layout-independent shapes of a models.ModelConfig."""
+    """Layout-independent shapes of a models.ModelArchitecture."""
     return {name: getattr(model_config, name) for name in SHAPE_FIELDS}
 
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from megatron_grpo.data.prompts import EncodedPrompt
     from megatron_grpo.data.sampler import PromptSampler
-    from megatron_grpo.models.hf_config import ModelConfig
+    from megatron_grpo.models.hf_config import ModelArchitecture
     from megatron_grpo.rewards.runner import RewardRunner
     from megatron_grpo.rollout.engine import RolloutEngine
     from megatron_grpo.trainer.resume_plan import Candidate
@@ -59,7 +59,7 @@ class Run:
     config: Config
     device: torch.device
     dtype: torch.dtype
-    model_config: ModelConfig
+    model_config: ModelArchitecture
     model_dir: Path                           # HF folder the policy started from (also the engine's)
     policy: list[torch.nn.Module]             # DDP-wrapped model chunks
     optimizer: NonFiniteUpdateGuard           # over megatron's (distributed) optimizer
@@ -144,7 +144,7 @@ def build_run(cfg: Config) -> Run:
     from megatron_grpo.convert.loader import load_hf_weights
     from megatron_grpo.data.sampler import batches_per_epoch
     from megatron_grpo.launch import ParallelLayout, init_distributed, initialize_model_parallel
-    from megatron_grpo.models import ModelConfig, build_model, build_reference_model
+    from megatron_grpo.models import ModelArchitecture, build_model, build_reference_model
     from megatron_grpo.models.builder import Recompute
     from megatron_grpo.trainer.model_path import check_context_length, prepare_model_folder
     from megatron_grpo.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
@@ -166,7 +166,7 @@ def build_run(cfg: Config) -> Run:
     candidates = on_rank0(check_run_folder, cfg)
 
     model_dir = prepare_model_folder(cfg, output_dir)
-    model_config = ModelConfig.from_hf(model_dir, tensor_parallel=layout.tensor,
+    model_config = ModelArchitecture.from_hf(model_dir, tensor_parallel=layout.tensor,
                                        vocab_multiple=cfg.model.make_vocab_size_divisible_by)
     check_context_length(cfg, model_config, model_dir)
     check_moe_keys(cfg, model_config)
