@@ -18,12 +18,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.checkpointing.sharded import READ_ERRORS, load_model_state, model_sharded_state_dict, short_error
+from megatron_grpo.convert.torch_dist_files import ASSETS_DIR, DIST_METADATA, WEIGHTS_DIR, check_shard_sizes
 from megatron_grpo.convert.writer import copy_hf_assets
 from megatron_grpo.errors import CheckpointError
 from megatron_grpo.models.hf_config import MODEL_CONFIG_FILE, ModelArchitecture
 
-WEIGHTS_DIR = "model"
-ASSETS_DIR = "hf_assets"
 
 
 def save_megatron_checkpoint(model_chunks: Sequence[torch.nn.Module], cfg: ModelArchitecture, out_dir: str | Path,
@@ -74,7 +73,6 @@ def load_model_weights(model_chunks: Sequence[torch.nn.Module], weights_dir: str
     checkpoint (model_optim/) stays on disk. Any failure, on any rank, is one CheckpointError."""
     from megatron.core import dist_checkpointing
 
-    from megatron_grpo.convert.sources import DIST_METADATA, check_shard_sizes
     from megatron_grpo.launch.safe_dcp import dcp_bytes_weights_only
 
     weights = Path(weights_dir)

@@ -41,7 +41,7 @@ def hf_model_folder(model_path: str | Path, output_dir: str | Path) -> Path:
 
 def source_record(ckpt: Path) -> dict:
     """What identifies a convert checkpoint's content: its path, model config and shard index."""
-    from megatron_grpo.convert.megatron_checkpoint import WEIGHTS_DIR
+    from megatron_grpo.convert.torch_dist_files import WEIGHTS_DIR
     from megatron_grpo.models.hf_config import MODEL_CONFIG_FILE
 
     digest = hashlib.sha256()

@@ -25,11 +25,10 @@ import yaml
 
 from megatron_grpo.checkpointing.layout import (COMPLETE_MARKER, CONFIG_FILE, INITIAL_MODEL_DIR, MODEL_OPTIM_DIR,
                                                 STEP_DIR, validate_checkpoint)
-from megatron_grpo.convert.megatron_checkpoint import ASSETS_DIR, WEIGHTS_DIR
+from megatron_grpo.convert.torch_dist_files import ASSETS_DIR, WEIGHTS_DIR, require_torch_dist, stored_tensor_shapes
 from megatron_grpo.errors import CheckpointError
 from megatron_grpo.models.hf_config import MODEL_CONFIG_FILE, ModelArchitecture
 
-DIST_METADATA = "metadata.json"     # megatron dist_checkpointing's marker in a torch_dist folder
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
 _EXPECTED = ("expected a run folder (with checkpoints/), a checkpoints folder (step_N/), a step_N folder, "
              "its model_optim/, or a `convert hf-to-megatron` checkpoint (megatron_grpo_model.json)")
@@ -80,7 +79,7 @@ def _convert_source(ckpt: Path, step: int | None) -> MegatronSource:
         raise CheckpointError(f"{ckpt}: --step {step} applies to training checkpoints; this is a "
                               f"`convert hf-to-megatron` checkpoint (it has no steps)")
     weights = ckpt / WEIGHTS_DIR
-    _require_torch_dist(weights)
+    require_torch_dist(weights)
     assets = ckpt / ASSETS_DIR
     return MegatronSource(weights, ModelArchitecture.load(ckpt), assets if assets.is_dir() else None, str(ckpt))
 
@@ -117,7 +116,7 @@ def _step_source(step_dir: Path, step: int | None, hf_reference: str | Path | No
     if problem:
         raise CheckpointError(f"{step_dir}: not a complete checkpoint: {problem}")
     weights = step_dir / MODEL_OPTIM_DIR
-    _require_torch_dist(weights)
+    require_torch_dist(weights)
     recorded = _read_recorded_config(step_dir / CONFIG_FILE)
     model_dir = Path(hf_reference) if hf_reference is not None else _run_model_folder(step_dir, recorded)
     padded = stored_tensor_shapes(weights).get(EMBEDDING_KEY)
@@ -168,54 +167,3 @@ def _run_model_folder(step_dir: Path, recorded: dict) -> Path:
     tried = ", ".join(str(c) for c in candidates) or "nothing recorded"
     raise CheckpointError(f"{step_dir}: cannot find the run's HF model folder for config.json and the tokenizer "
                           f"(tried {tried}); pass --hf-reference HF_DIR")
-
-
-def _require_torch_dist(weights: Path) -> None:
-    if not (weights / DIST_METADATA).is_file() or not (weights / ".metadata").is_file():
-        raise CheckpointError(f"{weights}: not a complete torch_dist checkpoint (no {DIST_METADATA} / .metadata)")
-
-
-def _torch_dist_metadata(weights: Path):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from megatron_grpo.checkpointing.sharded import READ_ERRORS
-
-    try:
-        return FileSystemReader(str(weights)).read_metadata()
-    except READ_ERRORS as exc:
-        raise CheckpointError(f"{weights / '.metadata'}: unreadable ({type(exc).__name__}: {exc})") from None
-
-
-def stored_tensor_shapes(weights: Path) -> dict[str, tuple[int, ...]]:
-    """Global shapes of the model tensors in a torch_dist folder (optimizer state left out)."""
-    meta = _torch_dist_metadata(weights)
-    return {key: tuple(md.size) for key, md in meta.state_dict_metadata.items()
-            if not key.startswith("optimizer.") and hasattr(md, "size")}
-
-
-def check_shard_sizes(weights: Path) -> None:
-    """Every .distcp file holds the bytes .metadata places in it for the model tensors (a copy or
-    download cut short otherwise fails deep inside torch's reader with a bare EOFError)."""
-    meta = _torch_dist_metadata(weights)
-    needed: dict[str, int] = {}
-    for index, info in (meta.storage_data or {}).items():
-        if not index.fqn.startswith("optimizer."):
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        path = weights / name
-        if not path.is_file():
-            raise CheckpointError(f"{path}: shard file missing (listed in {weights / '.metadata'})")
-        if path.stat().st_size < size:
-            raise CheckpointError(f"{path}: truncated shard file ({path.stat().st_size} bytes; "
-                                  f"{weights / '.metadata'} places data up to byte {size})")
-
-
-def stored_model_dtype(weights: Path):
-    """The one float dtype the model tensors were saved in."""
-    meta = _torch_dist_metadata(weights)
-    dtypes = {md.properties.dtype for key, md in meta.state_dict_metadata.items()
-              if not key.startswith("optimizer.") and hasattr(md, "properties")}
-    if len(dtypes) != 1:
-        raise CheckpointError(f"{weights / '.metadata'}: expected one dtype among the model tensors, found "
-                              f"{sorted(map(str, dtypes))}")
-    return dtypes.pop()

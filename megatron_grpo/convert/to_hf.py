@@ -13,7 +13,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.convert.sources import MegatronSource, stored_model_dtype
+from megatron_grpo.convert.sources import MegatronSource
+from megatron_grpo.convert.torch_dist_files import stored_model_dtype
 from megatron_grpo.convert.writer import DEFAULT_MAX_SHARD_BYTES, HFWriter
 from megatron_grpo.errors import CheckpointError, ConfigError
 from megatron_grpo.models.hf_config import ModelArchitecture

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.errors import ConfigError
+from megatron_grpo.ops.sequence_gather import all_gather_sequence
+from megatron_grpo.ops.varlen_attention import attention_dropout, context_parallel_packed_attention, is_thd
 
 
 def _group_info(group) -> tuple[int, int]:
@@ -96,36 +98,6 @@ def gather_packed_from_context_parallel(tensor: torch.Tensor, cu_seqlens_padded:
     return gathered.index_select(0, order).movedim(0, seq_dim)
 
 
-class _AllGatherSequence(torch.autograd.Function):
-    """all_gather along dim 0 over a group; backward sums the gradient over the group and returns
-    this rank's slice (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group):
-        ctx.group = group
-        size = dist.get_world_size(group)
-        parts = [torch.empty_like(local) for _ in range(size)]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        return torch.cat(parts, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        group = ctx.group
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        grad = grad.contiguous()
-        if dist.get_backend(group) == "nccl":
-            out = torch.empty_like(grad.chunk(size, dim=0)[rank])
-            dist.reduce_scatter_tensor(out, grad, group=group)
-            return out, None
-        dist.all_reduce(grad, group=group)  # gloo has no reduce_scatter
-        return grad.chunk(size, dim=0)[rank].contiguous(), None
-
-
-def all_gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
-    """[s_local, ...] on every rank -> [size * s_local, ...] in rank order (autograd-correct)."""
-    return _AllGatherSequence.apply(local, group)
-
-
 def gather_from_context_parallel(tensor: torch.Tensor, seq_dim: int = 1, group=None) -> torch.Tensor:
     """Inverse of split_for_context_parallel: every rank gets the full sequence in order.
     Differentiable (the gradient of each rank's part flows back to that rank)."""
@@ -179,8 +151,6 @@ class ContextParallelDotProductAttention(_core_attention_base()):
         if attention_bias is not None:
             raise NotImplementedError("context-parallel attention: attention bias needs Transformer Engine")
         from megatron.core import tensor_parallel
-
-        from megatron_grpo.ops.varlen_attention import attention_dropout, context_parallel_packed_attention, is_thd
 
         if is_thd(packed_seq_params):
             # megatron's attention squeezed THD inputs to [t, heads, d] (batch dimension 1)

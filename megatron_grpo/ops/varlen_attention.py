@@ -15,7 +15,7 @@ sum_i len_i^2 rather than rows x longest^2:
     batches (tex.thd_get_partitioned_indices), every segment is cut into 2*CP chunks and CP rank r
     holds chunks r and 2*CP-1-r of each one (load balance for causal attention, per sequence). K
     and V are all-gathered over the CP group (backward: summed and scattered back, see
-    ops.context_parallel.all_gather_sequence); each local query sees the keys of its own sequence
+    ops.sequence_gather.all_gather_sequence); each local query sees the keys of its own sequence
     up to its own global position.
 
 Scores are [heads, len, len] per sequence (a group's longest under CP = 1), in fp32 (softmax in
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.errors import ConfigError
+from megatron_grpo.ops.sequence_gather import all_gather_sequence
 
 Dropout = Optional[Callable[[torch.Tensor], torch.Tensor]]
 # Sequences whose lengths are within this factor share one batched attention call (at most
@@ -162,8 +163,6 @@ def context_parallel_packed_attention(query: torch.Tensor, key: torch.Tensor, va
                                       dropout: Dropout = None) -> torch.Tensor:
     """CP > 1. query [T/cp, h, d], key / value [T/cp, g, d]: this rank's chunks of every segment
     (segment lengths multiples of 2*CP); returns [T/cp, h, d]."""
-    from megatron_grpo.ops.context_parallel import all_gather_sequence
-
     cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
     lengths, bounds = _bounds(packed_seq_params)
     local_rows = query.size(0)
