@@ -79,7 +79,7 @@ def _train_then_probe(rank, world_size, overrides, live_hf_dir, with_logits):
     loop.train(cfg)
     run = captured["run"]
     logits = policy_logits(run, TOKENS) if with_logits else None
-    written = write_hf_export(run, live_hf_dir)
+    written = write_hf_export(run.policy, run.model_config, run.model_dir, live_hf_dir)
     return {"logits": logits, "written": str(written)}
 
 

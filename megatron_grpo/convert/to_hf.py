@@ -55,16 +55,16 @@ def export_checkpoint_to_hf(source: MegatronSource, out: Path, *, layout,
                            max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress)
 
 
-def write_hf_export(run, step_dir: str | Path) -> Path:
-    """checkpoint.save_hf: writes <step_dir>/hf from the run's live policy (config.json, tokenizer
-    and generation config from the run's model folder). Call it on every rank, while step_dir is
-    the checkpoint's staging folder, so complete.json covers the files and the rename publishes
-    them with the step. Returns <step_dir>/hf (written by rank 0)."""
+def write_hf_export(model_chunks, cfg: ModelArchitecture, model_dir: str | Path, step_dir: str | Path) -> Path:
+    """checkpoint.save_hf: writes <step_dir>/hf from live model chunks (config.json, tokenizer and
+    generation config from `model_dir`, the HF folder the run started from). Call it on every
+    rank, while step_dir is the checkpoint's staging folder, so complete.json covers the files and
+    the rename publishes them with the step. Returns <step_dir>/hf (written by rank 0)."""
     from megatron_grpo.convert.export import gather_hf_weights_on_rank0
 
     out = Path(step_dir) / HF_SUBDIR
-    stream = gather_hf_weights_on_rank0(run.policy, run.model_config)
-    return write_hf_folder(stream, out, run.model_config, assets_dir=Path(run.model_dir), overwrite=True)
+    stream = gather_hf_weights_on_rank0(model_chunks, cfg)
+    return write_hf_folder(stream, out, cfg, assets_dir=Path(model_dir), overwrite=True)
 
 
 def write_hf_folder(stream: Iterator[tuple[str, torch.Tensor]], out: Path, cfg: ModelArchitecture, *,

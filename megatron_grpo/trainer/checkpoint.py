@@ -182,7 +182,7 @@ class Checkpointer:
             if self.cfg.checkpoint.save_hf:  # a collective: every rank sends its shards to rank 0
                 from megatron_grpo.convert.to_hf import write_hf_export
 
-                write_hf_export(self.run, tmp)
+                write_hf_export(self.run.policy, self.run.model_config, self.run.model_dir, tmp)
             coords = _rank_coordinates()
             buffer = _torch_bytes(rng_state())
             layout.write_file(tmp / RNG_DIR / _rng_file(coords), buffer)
