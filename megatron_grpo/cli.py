@@ -142,9 +142,12 @@ def _config_verl_keys(args: argparse.Namespace) -> int:
 def _config_show(args: argparse.Namespace) -> int:
     from megatron_grpo.config import load_config, to_yaml, validate
 
+    from megatron_grpo.config.derived import implied_settings
+
     config = load_config(args.recipe, args.overrides)
     if not args.no_validate:
         validate(config, world_size=args.world_size, ranks_per_node=args.ranks_per_node)
+    sys.stdout.write("".join(f"# implied: {line}\n" for line in implied_settings(config)))
     sys.stdout.write(to_yaml(config))
     return 0
 

@@ -28,6 +28,25 @@ def test_config_show_output_loads_back_to_the_same_config(tmp_path, capsys):
     assert capsys.readouterr().out == out  # showing the shown config is a fixed point
 
 
+@pytest.mark.parametrize("overrides, implied", [
+    ([], ["rollout.max_staleness=0: on-policy", "local engine: in the trainer's process (rank 0)",
+          "weight sync route: rank0"]),
+    (["rollout.max_staleness=2"], ["no sample trains more than 2 weight version(s)",
+                                   "local engine: in its own process (rollout.local.process=null: by max_staleness)",
+                                   "weight sync route: per_stage"]),
+    (["rollout.max_staleness=1", "rollout.local.process=false", "--no-validate"],
+     ["local engine: in the trainer's process (rank 0) (rollout.local.process)"]),
+    (["rollout.engine=sglang", "rollout.sglang.weight_sync=tensor"], ["weight sync route: colocated"]),
+])
+def test_config_show_says_what_the_recipe_implies(capsys, overrides, implied):
+    """What rollout.max_staleness (and the engine) change without a key of their own: where the
+    local engine runs and the weight-sync route, as comments above the YAML."""
+    assert main(["config", "show", "tiny_cpu", *overrides]) == 0
+    comments = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# implied: ")]
+    for want in implied:
+        assert any(want in line for line in comments), (want, comments)
+
+
 def test_config_show_world_size_and_no_validate(capsys):
     assert main(["config", "show", "tiny_cpu", "--world-size", "3"]) == 2
     assert capsys.readouterr().err.startswith("error: a mini-batch of actor.ppo_mini_batch_size x rollout.n")

@@ -9,13 +9,8 @@ from pathlib import Path
 import torch
 
 from megatron_grpo.config.schema import Config
+from megatron_grpo.config.derived import engine_in_own_process
 from megatron_grpo.rollout.engine import RolloutEngine
-
-
-def engine_in_own_process(cfg: Config) -> bool:
-    """rollout.local.process, or by default: when rollouts run ahead of training (max_staleness > 0)."""
-    local = cfg.rollout.local
-    return local.process if local.process is not None else cfg.rollout.max_staleness > 0
 
 
 def build_local_engine(cfg: Config, model_dir: Path, device: torch.device, dtype: torch.dtype) -> RolloutEngine:

@@ -35,6 +35,7 @@ from typing import Any, Iterable, Iterator, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.config.derived import weight_sync_route
 from megatron_grpo.config.schema import Config
 from megatron_grpo.convert.stage_export import StageRole, WholeModelRole
 from megatron_grpo.errors import ConfigError, MegatronGRPOError, RolloutFailure
@@ -83,28 +84,9 @@ class StageSync:
             self.sink = None
 
 
-def stage_route(cfg: Config) -> str:
-    """per_stage, colocated or rank0, for this recipe (rollout.weight_sync_route; validate.py
-    refuses a route the engine cannot take)."""
-    from megatron_grpo.trainer.local_engine import engine_in_own_process
-
-    route = cfg.rollout.weight_sync_route
-    if route != "auto":
-        return route
-    r = cfg.rollout
-    if r.engine == "sglang":
-        if r.sglang.weight_sync == "tensor":
-            return "colocated"
-        # Without pipeline stages the one sender is rank 0 either way: keep the rank-0 route, whose
-        # engine-fault recovery (restarts, dropped URLs mid-sync) the fault tests exercise most.
-        distributed = r.sglang.weight_sync == "distributed"
-        return "per_stage" if distributed and cfg.parallel.pipeline > 1 else "rank0"
-    return "per_stage" if engine_in_own_process(cfg) else "rank0"
-
-
 def connect_stage_sync(cfg: Config, rank0) -> StageSync | None:
     """Collective: every rank's StageSync, or None when the weights go through rank 0."""
-    route = stage_route(cfg)
+    route = weight_sync_route(cfg)
     if route == "rank0":
         return None
     bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20

@@ -1,0 +1,54 @@
+"""What a recipe implies beyond its keys, decided in one place (no torch): where the local engine
+runs, which route the weights take, and what asynchronous rollouts change. The trainer acts on
+these; `config show` prints them as comments above the YAML (ignored when it is loaded back)."""
+from __future__ import annotations
+
+from megatron_grpo.config.schema import Config
+
+
+def engine_in_own_process(cfg: Config) -> bool:
+    """rollout.local.process, or by default: when rollouts run ahead of training (max_staleness > 0)."""
+    local = cfg.rollout.local
+    return local.process if local.process is not None else cfg.rollout.max_staleness > 0
+
+
+def weight_sync_route(cfg: Config) -> str:
+    """per_stage, colocated or rank0 (rollout.weight_sync_route; validate.py refuses a route the
+    engine cannot take)."""
+    route = cfg.rollout.weight_sync_route
+    if route != "auto":
+        return route
+    r = cfg.rollout
+    if r.engine == "sglang":
+        if r.sglang.weight_sync == "tensor":
+            return "colocated"
+        # Without pipeline stages the one sender is rank 0 either way: keep the rank-0 route, whose
+        # engine-fault recovery (restarts, dropped URLs mid-sync) the fault tests exercise most.
+        distributed = r.sglang.weight_sync == "distributed"
+        return "per_stage" if distributed and cfg.parallel.pipeline > 1 else "rank0"
+    return "per_stage" if engine_in_own_process(cfg) else "rank0"
+
+
+def implied_settings(cfg: Config) -> list[str]:
+    """One line per implied setting, for `config show`."""
+    r = cfg.rollout
+    lines = []
+    staleness = r.max_staleness
+    if staleness:
+        lines.append(f"rollout.max_staleness={staleness}: rollouts of the next steps run during training; no sample "
+                     f"trains more than {staleness} weight version(s) after the one that generated it")
+    else:
+        lines.append("rollout.max_staleness=0: on-policy, generate -> train -> sync, step after step")
+    if r.engine == "local":
+        where = "its own process" if engine_in_own_process(cfg) else "the trainer's process (rank 0)"
+        why = "rollout.local.process" if r.local.process is not None else "rollout.local.process=null: by max_staleness"
+        lines.append(f"local engine: in {where} ({why})")
+    elif staleness:
+        lines.append("SGLang requests aborted by a weight update are resubmitted and served by the new weights")
+    route = weight_sync_route(cfg)
+    how = {"rank0": "every stage's tensors through global rank 0, which pushes them",
+           "per_stage": "each pipeline stage's first rank pushes its own layers",
+           "colocated": "every trainer rank feeds the SGLang engine rank on its GPU"}[route]
+    source = "rollout.weight_sync_route" if r.weight_sync_route != "auto" else "rollout.weight_sync_route=auto"
+    lines.append(f"weight sync route: {route}, {how} ({source})")
+    return lines
