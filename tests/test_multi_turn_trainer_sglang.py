@@ -240,11 +240,25 @@ def test_greedy_lookup_trajectories_equal_the_local_engines(tmp_path, recipe_mod
     assert {k: sglang["records"][0][k] for k in names} == {k: local["records"][0][k] for k in names}
 
 
-def test_asynchronous_multi_turn_on_sglang_validates():
-    """A turn a weight update aborts is resubmitted and matched back by position
-    (tests/test_sglang.py::test_async_generate_resubmits_groups_a_weight_update_aborted), and each
-    episode's turns are a request group of their own: asynchronous multi-turn runs on SGLang."""
-    from megatron_grpo.config import load_config, validate
+@pytest.mark.slow
+def test_asynchronous_multi_turn_on_sglang_trains(tmp_path, recipe_model, server):
+    """rollout.max_staleness=1 with the lookup environment on SGLang's own server code: the next
+    step's episodes are generated while a step trains, a turn a weight update aborts is resubmitted
+    (matched back by position: tests/test_sglang.py::test_async_generate_resubmits_groups_a_weight_update_aborted),
+    and every step trains on episodes at most one weight version old."""
+    url, log = server
+    before = served_turns(log)
+    out = run_distributed(_train, 1, (overrides(recipe_model, tmp_path / "run", f"trainer.total_steps={STEPS}",
+                                                "eval.interval=-1", "rollout.max_staleness=1",
+                                                *sglang_overrides(url)),), timeout=600)[0]
+    records = out["records"]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for record in records:
+        assert record["step"] - 1 - record["rollout/weight_version_min"] <= 1  # the staleness bound
+        assert record["multi_turn/turns_mean"] >= 1
+    from megatron_grpo.config import load_config
 
-    validate(load_config(RECIPE, ["rollout.engine=sglang", "rollout.sglang.urls=[http://127.0.0.1:1]",
-                                  "rollout.sglang.weight_sync=distributed", "rollout.max_staleness=1"]), world_size=1)
+    recipe = load_config(RECIPE)
+    episodes = recipe.data.train_batch_size * recipe.rollout.n  # per step, each at least one turn
+    assert served_turns(log) - before >= STEPS * episodes
+    assert str(model_info(url)["weight_version"]) == str(STEPS)
