@@ -4,7 +4,7 @@ Each configuration trains `recipes/tiny_cpu.yaml` (same seed, same steps) throug
     sync             rollout.max_staleness=0 (the on-policy loop: generate, train, sync)
     sync, engine process   the same loop with the local engine in its own process (control)
     async K=1, K=2   rollout.max_staleness=K: the engine's process generates the next batches while
-                     the trainer trains (trainer/rollout_pipeline.py)
+                     the trainer trains (trainer/rollouts/rollout_pipeline.py)
 and reports wall-clock and samples until the mean reward reaches --target (a 5-step moving average of
 reward/mean, so one lucky batch does not count), tokens/s over the run, and the peak RSS of the
 process tree (trainer + engine process). The reward curves go to one PNG.

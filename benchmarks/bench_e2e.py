@@ -165,7 +165,7 @@ def run_ours(settings: Settings, model_dir: Path, work: Path, profile: Path | No
     torch.set_num_threads(settings.threads)
     from megatron_grpo.config import load_config
     from megatron_grpo.trainer.loop import grpo_step, rollout_settings
-    from megatron_grpo.trainer.rollout_pipeline import RolloutPipeline
+    from megatron_grpo.trainer.rollouts.rollout_pipeline import RolloutPipeline
     from megatron_grpo.trainer.setup import build_run
 
     cfg = load_config("tiny_cpu", our_overrides(settings, model_dir, work / "ours"))

@@ -11,10 +11,10 @@ on CPU.
 Sections (each a row group of the table):
 1. train step MFU: a Qwen3-shaped model (random init; config dict -> ModelArchitecture.from_hf ->
    models.build_model, local spec or TE spec when transformer_engine imports, bf16, Megatron DDP +
-   distributed optimizer) runs trainer.train_step.train_on_mini_batch, the trainer's own update
+   distributed optimizer) runs trainer.step.train_step.train_on_mini_batch, the trainer's own update
    (GRPO loss on vocab-parallel log-probs + entropy, one optimizer step) on fixed-length sequences.
    MFU = useful model FLOPs / step time / the card's dense bf16 peak, with useful FLOPs as the
-   trainer counts them (trainer/flops.py: 3 x forward; forward = 2 x matmul parameters, the LM
+   trainer counts them (trainer/step/flops.py: 3 x forward; forward = 2 x matmul parameters, the LM
    head included and the input embedding not, per token, plus causal attention).
 2. log-prob kernels: ops.vocab_parallel on a [T, V] bf16 logit tensor. Effective bandwidth = the
    bytes the op must at least move / time: forward reads the logits once (T*V*2 bytes); forward +
@@ -124,8 +124,8 @@ def hf_config(name: str, vocab_size: Optional[int] = None) -> dict:
 
 
 def device_peaks(device: torch.device, tflops: Optional[float], tbps: Optional[float]) -> tuple[str, Optional[float], Optional[float]]:
-    """trainer/flops.py's table, with --peak-tflops / --peak-tbps taking precedence."""
-    from megatron_grpo.trainer.flops import device_peaks as table_peaks
+    """trainer/step/flops.py's table, with --peak-tflops / --peak-tbps taking precedence."""
+    from megatron_grpo.trainer.step.flops import device_peaks as table_peaks
 
     name, peak_tflops, peak_tbps = table_peaks(device)
     return (name + ", dry run" if device.type != "cuda" else name), tflops or peak_tflops, tbps or peak_tbps
@@ -164,10 +164,10 @@ def bench_train(args, device: torch.device, dtype: torch.dtype, report: Report, 
     from megatron_grpo.launch import ParallelLayout, init_distributed, initialize_model_parallel
     from megatron_grpo.models import ModelArchitecture, build_model
     from megatron_grpo.models.spec import resolve_backend
-    from megatron_grpo.trainer.batching import TrainSample, collate
-    from megatron_grpo.trainer.flops import training_flops
-    from megatron_grpo.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
-    from megatron_grpo.trainer.train_step import train_on_mini_batch
+    from megatron_grpo.trainer.batches.batching import TrainSample, collate
+    from megatron_grpo.trainer.step.flops import training_flops
+    from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
+    from megatron_grpo.trainer.step.train_step import train_on_mini_batch
 
     init_distributed()
     layout = ParallelLayout()

@@ -40,7 +40,7 @@ from megatron_grpo.environments.base import Environment, StepResult  # noqa: E40
 from megatron_grpo.environments.episodes import ChatRenderer, EpisodeLimits, TurnOutput, run_episodes  # noqa: E402
 from megatron_grpo.rollout.local import LocalEngine  # noqa: E402
 from megatron_grpo.rollout.types import GenerationRequest, SamplingParams  # noqa: E402
-from megatron_grpo.trainer.initial_model import ensure_initial_model  # noqa: E402
+from megatron_grpo.trainer.assembly.initial_model import ensure_initial_model  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu.yaml"
 MODES = ("kept", "reprefill")

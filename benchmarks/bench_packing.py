@@ -17,8 +17,8 @@ random (the step's cost does not depend on their values).
 The step. The Qwen3-shaped `small` model of bench_e2e.py (4 layers, hidden 256, 8 heads, 4 KV
 heads, head_dim 32; max_position_embeddings raised to 2048, which only sizes RoPE tables; the
 vocabulary of bench_e2e's tokenizer) built by models.build_model (megatron-core local spec), fp32,
-megatron DDP + distributed optimizer, one process. One step = trainer.micro_batches.plan + one
-trainer.train_step.train_on_mini_batch over the whole batch as one mini-batch (forward, GRPO loss
+megatron DDP + distributed optimizer, one process. One step = trainer.batches.micro_batches.plan + one
+trainer.step.train_step.train_on_mini_batch over the whole batch as one mini-batch (forward, GRPO loss
 on vocab-parallel log-probs and entropy, backward, AdamW): exactly what the trainer runs.
 Modes, all on the same samples and budget:
   packed        actor.packing=true (the default): THD rows of <= max_tokens tokens;
@@ -101,7 +101,7 @@ def gsm8k_lengths(path: str, tokenizer: str | None = None) -> tuple[list[tuple[i
 
 def make_samples(lengths: list[tuple[int, int]], settings: Settings, vocab_size: int):
     """P random prompts x n responses (the reference answer's length, cut at max_response_length)."""
-    from megatron_grpo.trainer.batching import TrainSample
+    from megatron_grpo.trainer.batches.batching import TrainSample
 
     rng = random.Random(settings.seed)
     samples = []
@@ -117,13 +117,13 @@ def make_samples(lengths: list[tuple[int, int]], settings: Settings, vocab_size:
 def step_inputs(samples, *, packing: bool = True, max_tokens: int | None = None, micro_batch_size: int | None = None,
                 model_config=None, loss_scale_factor: float | None = None):
     """(micro-batches, GlobalBatchInfo) of one mini-batch holding every sample, for this rank under
-    megatron's current parallel state, as the trainer plans them (trainer.micro_batches.plan)."""
+    megatron's current parallel state, as the trainer plans them (trainer.batches.micro_batches.plan)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.algo import GlobalBatchInfo
-    from megatron_grpo.trainer.micro_batches import MicroBatching, ParallelShape, attention_cost_weight, plan
+    from megatron_grpo.trainer.batches.micro_batches import MicroBatching, ParallelShape, attention_cost_weight, plan
 
     batching = MicroBatching(packing=packing, max_tokens=max_tokens, micro_batch_size=micro_batch_size,
                              mini_batch_size=len(samples),
@@ -160,8 +160,8 @@ def run_mode(rank, world_size, mode: str, settings: Settings, lengths: list[tupl
     from megatron_grpo.algo import GRPOLossConfig
     from megatron_grpo.launch import ParallelLayout, initialize_model_parallel
     from megatron_grpo.models import ModelArchitecture, build_model
-    from megatron_grpo.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
-    from megatron_grpo.trainer.train_step import train_on_mini_batch
+    from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
+    from megatron_grpo.trainer.step.train_step import train_on_mini_batch
 
     vocab = 24  # bench_e2e's model folder: the synthetic task's tokenizer
     hf = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=vocab, rms_norm_eps=1e-6,

@@ -14,7 +14,7 @@ Prints a markdown table; best of --repeats per row.
 
     python benchmarks/bench_weight_sync.py --stages [--world-size 4 --pp 1 2 4 ...]
 
-Per pipeline stage vs through rank 0 (trainer/weight_sync.py's two routes): the same model trained
+Per pipeline stage vs through rank 0 (trainer/sync/weight_sync.py's two routes): the same model trained
 at PP=1, 2, 4 on --world-size gloo ranks (DP = world / PP), synced into the local engine in its own
 process (rollout/engine_process.py, shared memory): seconds of one sync_weights call (export +
 push + applied acknowledgement), best of --repeats."""
@@ -67,8 +67,8 @@ def _stage_sync_seconds(rank, world_size, pp, route, model_dir, repeats):
     from megatron_grpo.models import ModelArchitecture, build_model as build_megatron
     from megatron_grpo.rollout.engine_process import EngineSpec, ProcessEngine
     from megatron_grpo.launch.collectives import all_gather_objects as all_gather
-    from megatron_grpo.trainer.stage_sync import StageSync
-    from megatron_grpo.trainer.weight_sync import sync_weights
+    from megatron_grpo.trainer.sync.stage_sync import StageSync
+    from megatron_grpo.trainer.sync.weight_sync import sync_weights
 
     torch.set_num_threads(1)
     initialize_model_parallel(ParallelLayout(pipeline=pp), seed=0)

@@ -30,7 +30,7 @@ class Command:
 # Add a subcommand by adding a row; its module is imported only when the subcommand runs.
 COMMANDS: Mapping[str, Command] = MappingProxyType({
     "train": Command("megatron_grpo.trainer.main:main", "train with GRPO: train RECIPE [key.sub=value ...]"),
-    "eval": Command("megatron_grpo.trainer.eval_cli:main", "evaluate a checkpoint on the validation set"),
+    "eval": Command("megatron_grpo.trainer.evaluation.eval_cli:main", "evaluate a checkpoint on the validation set"),
     "convert": Command("megatron_grpo.convert.cli:main", "convert checkpoints between HF and Megatron"),
     "export": Command("megatron_grpo.convert.export_cli:main",
                       "a training checkpoint -> HF folder: export RUN_DIR|CHECKPOINT_DIR [--step N] --out HF_DIR"),

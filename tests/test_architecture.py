@@ -165,15 +165,18 @@ def test_version_specific_megatron_modules_only_in_mcore_compat():
 
 def test_the_doc_names_every_trainer_module_and_package_and_only_paths_that_exist():
     doc = DOC.read_text(encoding="utf-8")
-    for path in sorted((PACKAGE / "trainer").glob("*.py")):
+    for path in sorted((PACKAGE / "trainer").rglob("*.py")):
         if path.name != "__init__.py":
             assert f"`{path.name}`" in doc or f"trainer/{path.name}" in doc, f"trainer/{path.name} is not in {DOC.name}"
+    for package in sorted(p for p in (PACKAGE / "trainer").iterdir() if (p / "__init__.py").is_file()):
+        assert f"`trainer/{package.name}/`" in doc, f"trainer/{package.name}/ is not in {DOC.name}"
     for package in ALLOWED:
         assert f"`{package}/`" in doc or f"`{package}.py`" in doc, f"{package} is not in {DOC.name}'s layers"
     named = set(re.findall(r"`((?:[\w.]+/)+[\w.]+\.(?:py|md|sh)|[\w]+/)`", doc)) | \
         set(re.findall(r"((?:tests|scripts|benchmarks|tools|slurm|docs)/[\w/]+\.(?:py|sh|md))", doc))
     missing = [name for name in named
-               if not any((root / name).exists() for root in (REPO, PACKAGE, PACKAGE / "trainer"))]
+               if not any((root / name).exists() for root in (REPO, PACKAGE, PACKAGE / "trainer"))
+               and not any(list((PACKAGE / "trainer").glob(f"*/{name}")))]
     assert not missing, f"{DOC.name} names paths that do not exist: {missing}"
 
 

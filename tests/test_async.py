@@ -24,7 +24,8 @@ def _metrics(out_dir):
 def _train(rank, world_size, overrides, record_prompts=False):
     """train() on tiny_cpu; with record_prompts, each step's prompts (token ids, one per group) as trained."""
     from megatron_grpo.config import load_config, validate
-    from megatron_grpo.trainer import loop, rollout_pipeline
+    from megatron_grpo.trainer import loop
+    from megatron_grpo.trainer.rollouts import rollout_pipeline
 
     cfg = load_config("tiny_cpu", overrides)
     validate(cfg, world_size=world_size)
@@ -127,7 +128,7 @@ def _stale_groups_are_dropped(rank, world_size, model_dir):
     from megatron_grpo.rewards.runner import RewardRunner
     from megatron_grpo.rollout.local import LocalEngine
     from megatron_grpo.rollout.types import SamplingParams
-    from megatron_grpo.trainer.rollout_phase import RolloutSettings, collect_rollout_batch
+    from megatron_grpo.trainer.rollouts.rollout_phase import RolloutSettings, collect_rollout_batch
 
     engine = LocalEngine.from_pretrained(model_dir)
     weights = {k: v.clone() for k, v in engine.model.state_dict().items()}

@@ -42,7 +42,7 @@ def test_placement_refuses_what_does_not_fit(places, engines, tp, message):
 
 def _sync_colocated(rank, world_size, urls, model_dir, shift_rank):
     """TP2 x PP2 policy from model_dir; two colocated engines of tp 2 fed through the trainer's
-    colocated route (trainer/stage_sync.py). `shift_rank` (or None) sends its tensors + 1."""
+    colocated route (trainer/sync/stage_sync.py). `shift_rank` (or None) sends its tensors + 1."""
     import torch.distributed as dist
 
     from megatron_grpo.config import load_config
@@ -54,8 +54,8 @@ def _sync_colocated(rank, world_size, urls, model_dir, shift_rank):
     from megatron_grpo.rollout.sglang.client import SGLangClient
     from megatron_grpo.rollout.sglang.engine import EngineOptions, SGLangEngine
     from megatron_grpo.rollout.sglang.weight_sync import EngineTarget, TensorTransport
-    from megatron_grpo.trainer.stage_sync import connect_stage_sync
-    from megatron_grpo.trainer.weight_sync import sync_weights
+    from megatron_grpo.trainer.sync.stage_sync import connect_stage_sync
+    from megatron_grpo.trainer.sync.weight_sync import sync_weights
     from tests.sglang_harness.fixtures import engine_checksums, sglang_checksum
 
     initialize_model_parallel(ParallelLayout(tensor=2, pipeline=2), seed=3)
@@ -65,7 +65,7 @@ def _sync_colocated(rank, world_size, urls, model_dir, shift_rank):
     recipe = load_config("tiny_cpu", ["rollout.engine=sglang", "rollout.sglang.weight_sync=tensor",
                                       "rollout.sglang.tp_size=2", f"rollout.sglang.urls=[{','.join(urls)}]"])
     engine = None
-    if rank == 0:  # as trainer/sglang_setup.py builds it for weight_sync=tensor
+    if rank == 0:  # as trainer/engines/sglang_setup.py builds it for weight_sync=tensor
         client = SGLangClient(urls)
         engine = SGLangEngine(client, TensorTransport(client, [EngineTarget(u, 2) for u in urls]),
                               options=EngineOptions(health_check_interval_s=0))

@@ -28,7 +28,7 @@ def engine(tmp_path_factory):
 
 
 def test_eval_passes_data_source_and_extra_info_to_the_reward(tmp_path, engine):
-    from megatron_grpo.trainer.evaluate import evaluate
+    from megatron_grpo.trainer.evaluation.evaluate import evaluate
 
     (tmp_path / "reward.py").write_text(REWARD)
     records = [PromptRecord("source/a", [{"role": "user", "content": f"q{i}"}], "x", extra_info={"index": i})
@@ -71,7 +71,7 @@ def test_eval_with_an_environment_scores_its_episodes(tmp_path):
     from transformers import AutoTokenizer
 
     from megatron_grpo.data.synthetic import build_tokenizer
-    from megatron_grpo.trainer.evaluate import evaluate
+    from megatron_grpo.trainer.evaluation.evaluate import evaluate
 
     tokenizer = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tok"))
     keys = ["01", "23", "32", "10"]

@@ -40,9 +40,9 @@ def policy_logits(run, tokens: list[int]) -> torch.Tensor | None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from megatron_grpo.trainer.batching import TrainSample, collate
-    from megatron_grpo.trainer.micro_batches import pad_to_common_shape
-    from megatron_grpo.trainer.train_step import _run_schedule
+    from megatron_grpo.trainer.batches.batching import TrainSample, collate
+    from megatron_grpo.trainer.batches.micro_batches import pad_to_common_shape
+    from megatron_grpo.trainer.step.train_step import _run_schedule
 
     samples = [TrainSample(prompt_ids=tokens[:4], response_ids=tokens[4:], advantage=0.0)]
     micro_batches = pad_to_common_shape([collate(samples, [0])])

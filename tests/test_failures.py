@@ -57,7 +57,8 @@ def _train_with_poisoned_steps(rank, world_size, overrides, poisoned_steps):
     from megatron_grpo.config import load_config
     from megatron_grpo.errors import MegatronGRPOError
     from megatron_grpo.models.builder import unwrap
-    from megatron_grpo.trainer import loop, train_step
+    from megatron_grpo.trainer import loop
+    from megatron_grpo.trainer.step import train_step
 
     state = {"step": 0}
     grpo_step, compute_loss, build_run = loop.grpo_step, train_step.compute_grpo_loss, loop.build_run

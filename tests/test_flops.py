@@ -1,4 +1,4 @@
-"""trainer/flops.py, the one FLOPs definition (perf/* metrics, bench_gpu's MFU), against an
+"""trainer/step/flops.py, the one FLOPs definition (perf/* metrics, bench_gpu's MFU), against an
 independent count: torch's FlopCounterMode over the HF model's own forward and backward."""
 import pytest
 import torch
@@ -6,7 +6,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_grpo.models import ModelArchitecture
 from megatron_grpo.models.tiny import tiny_hf_config
-from megatron_grpo.trainer import flops
+from megatron_grpo.trainer.step import flops
 
 
 def _counted(hf_model, tokens: int, backward: bool) -> int:

@@ -24,7 +24,7 @@ gpu_check.json reads them from there.
 3. The local engine on the device (HF transformers, KV cache): its sampled-token log-probs against
    a cache-free forward of the same model (fp32: the two differ in summation order only), and the
    training-inference mismatch: the engine's log-probs against the trainer's recompute
-   (trainer.train_step.compute_logprobs: megatron GPTModel + vocab-parallel log-probs on the
+   (trainer.step.train_step.compute_logprobs: megatron GPTModel + vocab-parallel log-probs on the
    trainer's collated micro-batch) over the generated tokens, mean and max |engine - trainer|, in
    fp32 and bf16 (engine and trainer in the same dtype). The published anchor is ~0.011-0.012 mean
    for vLLM / SGLang against an HF recompute at 4B in bf16. The model is random but its weights are
@@ -270,8 +270,8 @@ def _engine_vs_trainer(rank, world_size, folder):
     from megatron_grpo.models import ModelArchitecture, build_model
     from megatron_grpo.rollout.local import LocalEngine
     from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
-    from megatron_grpo.trainer.batching import TrainSample, collate
-    from megatron_grpo.trainer.train_step import compute_logprobs
+    from megatron_grpo.trainer.batches.batching import TrainSample, collate
+    from megatron_grpo.trainer.step.train_step import compute_logprobs
 
     device = init_distributed().device
     initialize_model_parallel(ParallelLayout(), seed=1234)

@@ -45,7 +45,7 @@ MOE_METRICS = ("moe/load_max_over_mean", "moe/load_max_over_mean_worst", "moe/ro
 
 
 def uneven_samples(count: int, vocab: int, seed: int = 0):
-    from megatron_grpo.trainer.batching import TrainSample
+    from megatron_grpo.trainer.batches.batching import TrainSample
 
     rng = random.Random(seed)
     return [TrainSample(prompt_ids=[rng.randrange(vocab) for _ in range(rng.randint(1, 12))],
@@ -60,9 +60,9 @@ def _first_step(rank, world_size, policy_path, parallel, samples):
     from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
     from megatron_grpo.models import ModelArchitecture, build_model
     from megatron_grpo.trainer.loop import global_batch_info, grpo_loss_config
-    from megatron_grpo.trainer.micro_batches import plan_micro_batches
-    from megatron_grpo.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
-    from megatron_grpo.trainer.train_step import train_on_mini_batch
+    from megatron_grpo.trainer.batches.micro_batches import plan_micro_batches
+    from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
+    from megatron_grpo.trainer.step.train_step import train_on_mini_batch
 
     cfg = load_config("tiny_cpu", [f"parallel.sequence_parallel={parallel.get('sequence_parallel', False)}",
                                    f"parallel.tensor={parallel.get('tensor', 1)}", "rollout.n=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",

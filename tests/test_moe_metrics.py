@@ -47,8 +47,8 @@ def _stats(rank, world_size, path):
     from megatron_grpo.models import ModelArchitecture, build_reference_model
     from megatron_grpo.models.moe_metrics import RouterStats
     from megatron_grpo.models.routing_replay import moe_routers
-    from megatron_grpo.trainer.batching import TrainSample
-    from megatron_grpo.trainer.train_step import fill_logprobs
+    from megatron_grpo.trainer.batches.batching import TrainSample
+    from megatron_grpo.trainer.step.train_step import fill_logprobs
 
     cfg = load_config("tiny_cpu", ["rollout.n=2", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
                                    "parallel.expert=2"])

@@ -88,8 +88,8 @@ def _gaps(rank, world_size, path, samples):
     from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
     from megatron_grpo.models import ModelArchitecture, build_reference_model
     from megatron_grpo.models.routing_replay import moe_routers
-    from megatron_grpo.trainer.batching import TrainSample
-    from megatron_grpo.trainer.train_step import fill_logprobs
+    from megatron_grpo.trainer.batches.batching import TrainSample
+    from megatron_grpo.trainer.step.train_step import fill_logprobs
 
     cfg = load_config("tiny_cpu", ["rollout.n=3", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4"])
     initialize_model_parallel(ParallelLayout(), seed=1)
@@ -130,7 +130,7 @@ def _rollout(path, *, record: bool, replay: bool):
     from megatron_grpo.rewards.runner import RewardRunner
     from megatron_grpo.rollout.local import LocalEngine
     from megatron_grpo.rollout.types import SamplingParams
-    from megatron_grpo.trainer.rollout_phase import RolloutSettings, collect_rollout_batch
+    from megatron_grpo.trainer.rollouts.rollout_phase import RolloutSettings, collect_rollout_batch
 
     engine = LocalEngine.from_pretrained(path, eos_token_ids=[], seed=0, record_routed_experts=record)
     record_ = PromptRecord(data_source="test", prompt=[{"role": "user", "content": "123"}], ground_truth="321")
@@ -163,7 +163,7 @@ def test_the_trainer_engine_records_routes_only_with_replay(moe_path, tmp_path, 
     or (EngineSpec) in the engine's own: without replay no routes are recorded at all."""
     from megatron_grpo.config import load_config
     from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
-    from megatron_grpo.trainer.local_engine import build_local_engine
+    from megatron_grpo.trainer.engines.local_engine import build_local_engine
 
     request = GenerationRequest(prompt_ids=(5, 6, 7), sampling=SamplingParams(n=1, max_new_tokens=3, seed=1),
                                 group_id="0")

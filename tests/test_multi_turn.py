@@ -1,4 +1,4 @@
-"""Multi-turn rollouts, token in / token out (environments/episodes.py, trainer/rollout_phase.py):
+"""Multi-turn rollouts, token in / token out (environments/episodes.py, trainer/rollouts/rollout_phase.py):
 incremental rendering against whole-conversation rendering, masks and log-probs on hand-built
 trajectories, the limits, micro-batch loss masks, the local engine's log-probs against a full
 forward pass, and the ratio == 1 invariant at step 1 of the tiny tool recipe."""
@@ -17,7 +17,7 @@ from megatron_grpo.environments.episodes import (ChatRenderer, EnvironmentFailur
                                                  run_episodes)
 from megatron_grpo.testing.distributed import run_distributed
 from tests.tiny_hf import float64_logprobs
-from megatron_grpo.trainer.batching import TrainSample, collate, collate_packed
+from megatron_grpo.trainer.batches.batching import TrainSample, collate, collate_packed
 
 # A Qwen-style template that merges consecutive tool messages into one user turn (as Qwen3's does),
 # spelled in the synthetic vocabulary.
@@ -267,7 +267,7 @@ def test_local_engine_trajectories_logprobs_equal_a_full_forward(tokenizer):
     from megatron_grpo.data.synthetic import SyntheticTaskConfig, generate_records
     from megatron_grpo.rollout.local import LocalEngine
     from megatron_grpo.rollout.types import SamplingParams
-    from megatron_grpo.trainer.rollout_phase import MultiTurnSettings, RolloutSettings, collect_rollout_batch
+    from megatron_grpo.trainer.rollouts.rollout_phase import MultiTurnSettings, RolloutSettings, collect_rollout_batch
 
     torch.manual_seed(0)
     config = Qwen3Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -361,7 +361,7 @@ def test_multi_turn_config_errors(overrides, message):
 
 def test_shipped_tool_recipes_validate():
     from megatron_grpo.config import load_config, validate
-    from megatron_grpo.trainer.rollout_phase import multi_turn_settings
+    from megatron_grpo.trainer.rollouts.rollout_phase import multi_turn_settings
 
     tiny = load_config("recipes/tiny_cpu_tool.yaml")
     validate(tiny, world_size=1)

@@ -15,7 +15,7 @@ from megatron_grpo.rollout.sglang.client import SGLangClient
 from megatron_grpo.rollout.sglang.engine import EngineOptions, SGLangEngine
 from megatron_grpo.rollout.sglang.weight_sync import DiskTransport, EngineTarget
 from megatron_grpo.rollout.types import SamplingParams
-from megatron_grpo.trainer.rollout_phase import MultiTurnSettings, RolloutSettings, collect_rollout_batch
+from megatron_grpo.trainer.rollouts.rollout_phase import MultiTurnSettings, RolloutSettings, collect_rollout_batch
 from tests.sglang_harness.fixtures import launch_servers, save_long_context_model, server_settings, sglang_python
 from tests.tiny_hf import char_tokenizer, float64_logprobs, tiny_model
 

@@ -59,7 +59,7 @@ def _train(rank, world_size, overrides):
 def recipe_model(tmp_path_factory):
     """The HF folder the recipe starts from (initialised from its trainer.seed), for the server."""
     from megatron_grpo.config import load_config
-    from megatron_grpo.trainer.initial_model import ensure_initial_model
+    from megatron_grpo.trainer.assembly.initial_model import ensure_initial_model
 
     folder = tmp_path_factory.mktemp("recipe") / "initial_model"
     ensure_initial_model(load_config(RECIPE), folder)
@@ -150,8 +150,8 @@ def test_lookup_recipe_trains_through_sglang(tmp_path, recipe_model, server):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_grpo.config import load_config
-    from megatron_grpo.trainer.prompt_data import SYNTHETIC_EVAL_RECORDS
-    from megatron_grpo.trainer.rollout_phase import MULTI_TURN_ENDS
+    from megatron_grpo.trainer.assembly.prompt_data import SYNTHETIC_EVAL_RECORDS
+    from megatron_grpo.trainer.rollouts.rollout_phase import MULTI_TURN_ENDS
     from tests.tiny_hf import float64_logprobs
 
     url, log = server

@@ -1,6 +1,6 @@
 """Sequence packing: the packed layout against the padded one, the token-budget planner, the
 per-sequence context-parallel split against megatron's THD RoPE, and the variable-length
-attention against dense float64 attention (trainer/batching.py, trainer/micro_batches.py,
+attention against dense float64 attention (trainer/batches/batching.py, trainer/batches/micro_batches.py,
 ops/varlen_attention.py, ops/context_parallel.py)."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megatron_grpo.testing.distributed import run_distributed
-from megatron_grpo.trainer.batching import (PER_TOKEN_NAMES, TrainSample, collate, collate_packed,
+from megatron_grpo.trainer.batches.batching import (PER_TOKEN_NAMES, TrainSample, collate, collate_packed,
                                             pack_into_micro_batches)
-from megatron_grpo.trainer.micro_batches import MicroBatching, ParallelShape, plan, split_for_context_parallel_rank
+from megatron_grpo.trainer.batches.micro_batches import MicroBatching, ParallelShape, plan, split_for_context_parallel_rank
 
 FP32_EPS = float(torch.finfo(torch.float32).eps)
 

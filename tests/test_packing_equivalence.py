@@ -1,4 +1,4 @@
-"""A packed step equals the padded step (trainer/micro_batches.py, ops/varlen_attention.py).
+"""A packed step equals the padded step (trainer/batches/micro_batches.py, ops/varlen_attention.py).
 
 The same batch of very uneven sequences (2 to 48 tokens: prompts of 1..16, responses of 1..32)
 goes through the trainer's own pieces twice from the same weights, padded and packed, at
@@ -40,7 +40,7 @@ KL_COEF, ENTROPY_COEF = 0.5, 0.01
 
 def uneven_samples(count: int, vocab: int, seed: int = 0):
     """Sequences from 2 to 48 tokens, the extremes included."""
-    from megatron_grpo.trainer.batching import TrainSample
+    from megatron_grpo.trainer.batches.batching import TrainSample
 
     rng = random.Random(seed)
     shapes = [(1, 1), (16, 32), (1, 32), (16, 1)] + [(rng.randint(1, 16), rng.randint(1, 32)) for _ in range(count - 4)]
@@ -59,9 +59,9 @@ def _packed_and_padded(rank, world_size, policy_path, ref_path, parallel, overri
     from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
     from megatron_grpo.models import ModelArchitecture, build_model, build_reference_model
     from megatron_grpo.trainer.loop import global_batch_info, grpo_loss_config
-    from megatron_grpo.trainer.micro_batches import padding_metrics, plan_micro_batches
-    from megatron_grpo.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
-    from megatron_grpo.trainer.train_step import fill_logprobs, train_on_mini_batch
+    from megatron_grpo.trainer.batches.micro_batches import padding_metrics, plan_micro_batches
+    from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
+    from megatron_grpo.trainer.step.train_step import fill_logprobs, train_on_mini_batch
 
     cfg = load_config("tiny_cpu", [f"parallel.{key}={value}" for key, value in parallel.items()] + [
         "rollout.n=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "data.max_prompt_length=16",

@@ -21,7 +21,7 @@ import torch
 
 from megatron_grpo.errors import CheckpointError
 from megatron_grpo.testing.distributed import DistributedChildError, run_distributed
-from megatron_grpo.trainer.run_folder import RunFolderError
+from megatron_grpo.trainer.state.run_folder import RunFolderError
 from tests.train_harness import train_capturing
 
 FAST = ["data.max_response_length=8", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
@@ -62,7 +62,7 @@ def test_a_new_lr_is_what_the_optimizer_uses_after_resume(tmp_path):
 
 
 def _candidate(tmp_path, sampler, **trainer_state):
-    from megatron_grpo.trainer.resume_plan import Candidate
+    from megatron_grpo.trainer.state.resume_plan import Candidate
 
     saved_config = {"parallel": {"use_distributed_optimizer": True}, "data": {"train_batch_size": 8}}
     state = {"step": 2, "sampler": sampler, "layout": {"tp": 1, "pp": 1}, **trainer_state}
@@ -81,7 +81,7 @@ TP1 = {"tp": 1, "pp": 1}
 
 
 def test_the_sampler_must_fit_the_prompts_unless_forced(tmp_path):
-    from megatron_grpo.trainer.resume_plan import check_restorable
+    from megatron_grpo.trainer.state.resume_plan import check_restorable
 
     candidate = _candidate(tmp_path, SAMPLER)
     [checked] = check_restorable(_config(), [candidate], {}, num_prompts=4096, layout=TP1)
@@ -96,7 +96,7 @@ def test_the_sampler_must_fit_the_prompts_unless_forced(tmp_path):
 
 def test_a_changed_batch_size_continues_at_the_same_prompt():
     from megatron_grpo.data.sampler import PromptSampler
-    from megatron_grpo.trainer.resume_plan import continue_at_batch_size
+    from megatron_grpo.trainer.state.resume_plan import continue_at_batch_size
 
     items = list(range(100))
     old = PromptSampler(items, batch_size=8, seed=3)
@@ -113,7 +113,7 @@ def test_a_changed_batch_size_continues_at_the_same_prompt():
 
 
 def test_an_optimizer_state_that_reshards_only_over_dp_needs_the_same_tp_pp(tmp_path):
-    from megatron_grpo.trainer.resume_plan import check_restorable
+    from megatron_grpo.trainer.state.resume_plan import check_restorable
 
     old = _candidate(tmp_path, None, layout={"tp": 2, "pp": 2})  # format 1: no optimizer_format, dp_reshardable
     with pytest.raises(RunFolderError, match=r"saved at parallel.tensor=2 pipeline=2 .* 'dp_reshardable' format"):
@@ -130,7 +130,7 @@ def test_an_optimizer_state_that_reshards_only_over_dp_needs_the_same_tp_pp(tmp_
 def _fake_step(root: Path, step: int, cfg) -> Path:
     """A complete step folder with the files the checks read (no megatron state)."""
     from megatron_grpo.config import to_yaml
-    from megatron_grpo.trainer.run_folder import run_definition
+    from megatron_grpo.trainer.state.run_folder import run_definition
 
     path = root / f"step_{step}"
     path.mkdir(parents=True)
@@ -143,7 +143,7 @@ def _fake_step(root: Path, step: int, cfg) -> Path:
 
 
 def test_definitions_are_checked_for_every_checkpoint_a_resume_may_load(tmp_path):
-    from megatron_grpo.trainer.resume_plan import check_definitions
+    from megatron_grpo.trainer.state.resume_plan import check_definitions
 
     run = tmp_path / "run"
     _fake_step(run / "checkpoints", 2, _config("trainer.seed=5"))

@@ -229,8 +229,8 @@ def test_initial_model_is_rebuilt_when_what_it_is_built_from_changes(tmp_path):
     from safetensors.torch import load_file
 
     from megatron_grpo.config import load_config
-    from megatron_grpo.trainer.run_folder import INIT_RECORD
-    from megatron_grpo.trainer.initial_model import ensure_initial_model
+    from megatron_grpo.trainer.state.run_folder import INIT_RECORD
+    from megatron_grpo.trainer.assembly.initial_model import ensure_initial_model
 
     def build(folder: Path, *overrides: str) -> dict:
         ensure_initial_model(load_config(str(RECIPE), list(overrides)), folder / "initial_model")

@@ -54,10 +54,10 @@ def test_override_config_with_model_path_is_named_as_not_applied(tmp_path, caplo
     import json
     import logging
 
-    from megatron_grpo.trainer.model_path import _warn_unapplied_overrides
+    from megatron_grpo.trainer.assembly.model_path import _warn_unapplied_overrides
 
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2}))
-    with caplog.at_level(logging.WARNING, logger="megatron_grpo.trainer.model_path"):
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.trainer.assembly.model_path"):
         _warn_unapplied_overrides({"hidden_size": 64, "num_hidden_layers": 4, "rope_theta": 1e6}, tmp_path)
         assert "these keys differ from it: num_hidden_layers, rope_theta" in caplog.text
         caplog.clear()

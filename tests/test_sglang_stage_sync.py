@@ -28,8 +28,8 @@ def _sync_into_sglang(rank, world_size, url, model_dir, break_stage):
     from megatron_grpo.rollout.sglang.weight_sync import DistributedTransport, EngineTarget
     from megatron_grpo.testing.distributed import free_port
     from megatron_grpo.launch.collectives import all_gather_objects as all_gather
-    from megatron_grpo.trainer.stage_sync import StageSync
-    from megatron_grpo.trainer.weight_sync import sync_weights
+    from megatron_grpo.trainer.sync.stage_sync import StageSync
+    from megatron_grpo.trainer.sync.weight_sync import sync_weights
     from tests.sglang_harness.fixtures import sglang_checksum
 
     initialize_model_parallel(ParallelLayout(tensor=1, pipeline=2), seed=3)
@@ -38,7 +38,7 @@ def _sync_into_sglang(rank, world_size, url, model_dir, break_stage):
     load_hf_weights(chunks, cfg, model_dir)
 
     engine = None
-    if rank == 0:  # as trainer/sglang_setup.py builds it for weight_sync=distributed
+    if rank == 0:  # as trainer/engines/sglang_setup.py builds it for weight_sync=distributed
         client = SGLangClient([url])
         transport = DistributedTransport(client, [EngineTarget(url)], "127.0.0.1", free_port(), backend="gloo",
                                          bucket_bytes=2**16, timeout_s=60)

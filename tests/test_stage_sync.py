@@ -1,4 +1,4 @@
-"""Weight sync per pipeline stage into the local engine's own process (trainer/stage_sync.py,
+"""Weight sync per pipeline stage into the local engine's own process (trainer/sync/stage_sync.py,
 convert/stage_export.py): at PP=2, TP2xPP2 and DP2xPP2 exactly one rank per stage sends (TP rank 0
 of the first data-parallel replica), and the engine then computes exactly what an engine given the
 rank-0 export (gather_hf_weights_on_rank0, the conversion tool's tensors) computes."""
@@ -22,8 +22,8 @@ def _sync_per_stage(rank, world_size, layout, model_dir, other_dir):
     from megatron_grpo.rollout.local import LocalEngine
     from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
     from megatron_grpo.launch.collectives import all_gather_objects as all_gather
-    from megatron_grpo.trainer.stage_sync import StageSync
-    from megatron_grpo.trainer.weight_sync import sync_weights
+    from megatron_grpo.trainer.sync.stage_sync import StageSync
+    from megatron_grpo.trainer.sync.weight_sync import sync_weights
 
     tp, pp = layout
     initialize_model_parallel(ParallelLayout(tensor=tp, pipeline=pp), seed=3)

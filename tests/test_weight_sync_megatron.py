@@ -49,9 +49,9 @@ def _sync_and_score(rank, world_size, hf_dir, other_dir, urls=(), sync_dir=None)
     from megatron_grpo.launch import ParallelLayout, initialize_model_parallel
     from megatron_grpo.models import ModelArchitecture, build_model
     from megatron_grpo.rollout.local import LocalEngine
-    from megatron_grpo.trainer.batching import TrainSample, collate
-    from megatron_grpo.trainer.micro_batches import pad_to_common_shape
-    from megatron_grpo.trainer.train_step import compute_logprobs
+    from megatron_grpo.trainer.batches.batching import TrainSample, collate
+    from megatron_grpo.trainer.batches.micro_batches import pad_to_common_shape
+    from megatron_grpo.trainer.step.train_step import compute_logprobs
 
     initialize_model_parallel(ParallelLayout(tensor=2, pipeline=2), seed=3)
     cfg = ModelArchitecture.from_hf(hf_dir, tensor_parallel=2, vocab_multiple=8)

@@ -19,7 +19,8 @@ def train_capturing(rank, world_size, overrides, stop_after=None, resave_dir=Non
     from megatron.core import dist_checkpointing
 
     from megatron_grpo.config import load_config, validate
-    from megatron_grpo.trainer import checkpoint, loop
+    from megatron_grpo.trainer import loop
+    from megatron_grpo.trainer.state import checkpoint
 
     captured = {"steps": {}, "at_resume": None}
     build_run, grpo_step, resume = loop.build_run, loop.grpo_step, loop.resume

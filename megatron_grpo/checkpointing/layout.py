@@ -10,7 +10,7 @@
                             counters, layout and optimizer format
       rng/tp{t}-pp{p}-cp{c}-dp{d}.pt   python / numpy / torch / megatron-tracker RNG states of that rank
       config.yaml           the resolved config of the run that wrote it
-      run.json              what defines the run (trainer/run_folder.py)
+      run.json              what defines the run (trainer/state/run_folder.py)
       hf/                   with checkpoint.save_hf: the policy as an HF folder
       complete.json         written last: the step and the size of every file above
     <save_dir>/latest       "step_N", replaced atomically (write a temp file, os.replace)
@@ -39,7 +39,7 @@ CONFIG_FILE = "config.yaml"
 COMPLETE_MARKER = "complete.json"
 LATEST_FILE = "latest"
 RNG_DIR = "rng"
-RUN_FILE = "run.json"  # trainer/run_folder.py writes it
+RUN_FILE = "run.json"  # trainer/state/run_folder.py writes it
 STEP_DIR = re.compile(r"^step_(\d+)$")
 INITIAL_MODEL_DIR = "initial_model"  # beside checkpoints/ in a run folder: the HF folder the run started from
 LEFTOVER_PREFIXES = (".tmp-", ".trash-")  # an interrupted save / deletion

@@ -155,7 +155,7 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     weight_bucket_mb: int = 512  # size of one weight-sync bucket
-    # Asynchronous GRPO (trainer/rollout_pipeline.py): generation for the next steps runs while the
+    # Asynchronous GRPO (trainer/rollouts/rollout_pipeline.py): generation for the next steps runs while the
     # current step trains; no sample is trained more than K weight versions after the one that
     # generated it (older ones are dropped and counted). 0 = the on-policy loop (generate, train, sync).
     max_staleness: int = 0
@@ -221,7 +221,7 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: Optional[int] = None
     max_tokens_per_micro_batch: Optional[int] = 16384
     # Sequence packing (verl: use_remove_padding): a micro-batch's sequences in one row, no padding
-    # between them (trainer/micro_batches.py); false = one right-padded row per sequence.
+    # between them (trainer/batches/micro_batches.py); false = one right-padded row per sequence.
     packing: bool = True
     # Token budget of the forward-only old-log-prob pass; None = max_tokens_per_micro_batch
     # (verl: rollout.log_prob_max_token_len_per_gpu).
@@ -284,7 +284,7 @@ class CheckpointConfig:
     save_interval: int = -1  # steps between saves; -1 = only when stopped by a signal (verl save_freq)
     keep_last: Optional[int] = None  # None = keep all (verl max_actor_ckpt_to_keep)
     # auto = the newest complete checkpoint of this run; force = the same, even when the folder
-    # was written by a run with another model / data / task / seed (trainer/run_folder.py);
+    # was written by a run with another model / data / task / seed (trainer/state/run_folder.py);
     # never = start fresh (refused in a folder that holds a run, unless logging.overwrite);
     # or a checkpoint folder.
     resume: str = "auto"

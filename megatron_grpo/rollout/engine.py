@@ -1,7 +1,7 @@
 """The interfaces of rollout engines: RolloutEngine, which every engine implements (local HF
 model in the trainer's process or its own, SGLang servers), and StagedWeightUpdates, which an
 engine implements when it can take its weights from sender ranks other than global rank 0
-(trainer/stage_sync.py: per pipeline stage, colocated)."""
+(trainer/sync/stage_sync.py: per pipeline stage, colocated)."""
 from __future__ import annotations
 
 import abc
@@ -64,7 +64,7 @@ class StagedWeightUpdates(Protocol):
     verify the samples) or abort."""
 
     def stage_endpoint(self) -> Any:
-        """Picklable: what a pipeline stage's sender opens its sink from (trainer/stage_sync.py)."""
+        """Picklable: what a pipeline stage's sender opens its sink from (trainer/sync/stage_sync.py)."""
 
     def prepare_stage_update(self, version: int) -> Optional[list]: ...
 

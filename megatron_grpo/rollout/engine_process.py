@@ -199,7 +199,7 @@ class ProcessEngine(RolloutEngine, StagedWeightUpdates):
         self._version = int(version)
         self._last_sync = dict(metrics)
 
-    # ----- per-stage sync (trainer/stage_sync.py) -------------------------------------------
+    # ----- per-stage sync (trainer/sync/stage_sync.py) -------------------------------------------
     def stage_endpoint(self) -> "LocalStageEndpoint":
         return LocalStageEndpoint(self.weight_endpoint)
 
@@ -265,7 +265,7 @@ class ProcessEngine(RolloutEngine, StagedWeightUpdates):
 
 @dataclass(frozen=True)
 class LocalStageEndpoint:
-    """What a stage sender opens (trainer/stage_sync.py): its own connection into the receiver."""
+    """What a stage sender opens (trainer/sync/stage_sync.py): its own connection into the receiver."""
 
     endpoint: WeightEndpoint
     push_in_turn = False  # each stage has its own shared-memory channel: all at once

@@ -6,7 +6,7 @@
     -> weight sync to the rollout engine -> metrics -> eval
 
 With rollout.max_staleness = K > 0 the rollout of the next steps runs during the update
-(trainer/rollout_pipeline.py); K = 0 is the loop above, step after step.
+(trainer/rollouts/rollout_pipeline.py); K = 0 is the loop above, step after step.
 """
 from __future__ import annotations
 
@@ -24,19 +24,19 @@ from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import RolloutFailure
 from megatron_grpo.launch.collectives import agree, attempt_on_rank0, on_rank0, rank0_only
 from megatron_grpo.rollout.types import SamplingParams
-from megatron_grpo.trainer.batching import MicroBatch
-from megatron_grpo.trainer.flops import peak_flops_per_device, training_flops
-from megatron_grpo.trainer.checkpoint import Checkpointer
+from megatron_grpo.trainer.batches.batching import MicroBatch
+from megatron_grpo.trainer.step.flops import peak_flops_per_device, training_flops
+from megatron_grpo.trainer.state.checkpoint import Checkpointer
 from megatron_grpo.trainer.metrics import MetricsLogger, NullLogger, SinkOptions, plot_reward_curve
-from megatron_grpo.trainer.micro_batches import padding_metrics, plan_micro_batches
-from megatron_grpo.trainer.resume import resume
-from megatron_grpo.trainer.local_engine import trainer_threads
-from megatron_grpo.trainer.rollout_phase import RolloutSettings, collect_rollout_batch, multi_turn_settings
-from megatron_grpo.trainer.rollout_pipeline import RolloutPipeline
+from megatron_grpo.trainer.batches.micro_batches import padding_metrics, plan_micro_batches
+from megatron_grpo.trainer.state.resume import resume
+from megatron_grpo.trainer.engines.local_engine import trainer_threads
+from megatron_grpo.trainer.rollouts.rollout_phase import RolloutSettings, collect_rollout_batch, multi_turn_settings
+from megatron_grpo.trainer.rollouts.rollout_pipeline import RolloutPipeline
 from megatron_grpo.trainer.setup import Run, build_run, first_mini_batch_has_old_pass, old_logprobs_needed
 from megatron_grpo.trainer.signals import StopSignals
-from megatron_grpo.trainer.train_step import fill_logprobs, train_on_mini_batch
-from megatron_grpo.trainer.weight_sync import sync_weights
+from megatron_grpo.trainer.step.train_step import fill_logprobs, train_on_mini_batch
+from megatron_grpo.trainer.sync.weight_sync import sync_weights
 
 
 def train(cfg: Config) -> Path:
@@ -220,7 +220,7 @@ def _mean_over_updates(updates: list[dict[str, float]]) -> dict[str, float]:
 
 
 def evaluate_policy(run: Run) -> dict[str, float]:
-    from megatron_grpo.trainer.evaluate import evaluate
+    from megatron_grpo.trainer.evaluation.evaluate import evaluate
 
     return on_rank0(evaluate, run)  # rank 0's failure stops every rank
 

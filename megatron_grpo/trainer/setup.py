@@ -25,9 +25,9 @@ if TYPE_CHECKING:
     from megatron_grpo.models.hf_config import ModelArchitecture
     from megatron_grpo.rewards.runner import RewardRunner
     from megatron_grpo.rollout.engine import RolloutEngine
-    from megatron_grpo.trainer.resume_plan import Candidate
-    from megatron_grpo.trainer.stage_sync import StageSync
-    from megatron_grpo.trainer.update_guard import NonFiniteUpdateGuard
+    from megatron_grpo.trainer.state.resume_plan import Candidate
+    from megatron_grpo.trainer.sync.stage_sync import StageSync
+    from megatron_grpo.trainer.assembly.update_guard import NonFiniteUpdateGuard
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Run:
     record: dict                              # what defines the run (run_folder.run_record)
     resume_plan: list[Candidate] = field(default_factory=list)  # checked checkpoints, best first
     rank0: Rank0Parts | None = None           # global rank 0 only
-    stage_sync: StageSync | None = None       # per-stage weight sync (trainer/stage_sync.py), or rank 0's route
+    stage_sync: StageSync | None = None       # per-stage weight sync (trainer/sync/stage_sync.py), or rank 0's route
 
     @property
     def is_main(self) -> bool:
@@ -146,12 +146,12 @@ def build_run(cfg: Config) -> Run:
     from megatron_grpo.launch import ParallelLayout, init_distributed, initialize_model_parallel
     from megatron_grpo.models import ModelArchitecture, build_model, build_reference_model
     from megatron_grpo.models.builder import Recompute
-    from megatron_grpo.trainer.model_path import check_context_length, prepare_model_folder
-    from megatron_grpo.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
-    from megatron_grpo.trainer.prompt_data import load_prompts
-    from megatron_grpo.trainer.run_folder import run_record
-    from megatron_grpo.trainer.stage_sync import connect_stage_sync
-    from megatron_grpo.trainer.update_guard import NonFiniteUpdateGuard
+    from megatron_grpo.trainer.assembly.model_path import check_context_length, prepare_model_folder
+    from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
+    from megatron_grpo.trainer.assembly.prompt_data import load_prompts
+    from megatron_grpo.trainer.state.run_folder import run_record
+    from megatron_grpo.trainer.sync.stage_sync import connect_stage_sync
+    from megatron_grpo.trainer.assembly.update_guard import NonFiniteUpdateGuard
 
     init_distributed()
     layout = ParallelLayout(tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
@@ -225,8 +225,8 @@ def check_moe_keys(cfg: Config, model_config) -> None:
 def check_run_folder(cfg: Config) -> list[Candidate]:
     """Rank 0: run_folder's rules for logging.output_dir, then the checkpoints a resume may load,
     each from a run with this run's definition (resume_plan.check_definitions)."""
-    from megatron_grpo.trainer.resume_plan import check_definitions
-    from megatron_grpo.trainer.run_folder import prepare_output_dir
+    from megatron_grpo.trainer.state.resume_plan import check_definitions
+    from megatron_grpo.trainer.state.run_folder import prepare_output_dir
 
     prepare_output_dir(cfg)
     return check_definitions(cfg)
@@ -237,8 +237,8 @@ def check_resume(cfg: Config, candidates: list[Candidate], record: dict, prompts
     run's record is written to <output_dir>/run.json."""
     from megatron.core import parallel_state as ps
 
-    from megatron_grpo.trainer.resume_plan import check_restorable
-    from megatron_grpo.trainer.run_folder import write_run_record
+    from megatron_grpo.trainer.state.resume_plan import check_restorable
+    from megatron_grpo.trainer.state.run_folder import write_run_record
 
     layout = {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size()}
     plan = check_restorable(cfg, candidates, record["shapes"], num_prompts=len(prompts[0]), layout=layout)
@@ -251,7 +251,7 @@ def build_rank0_parts(cfg: Config, prompts: tuple[list[EncodedPrompt], list[Enco
     """Rank 0: the prompt sampler, the reward runner and the rollout engine."""
     from megatron_grpo.data.sampler import PromptSampler
     from megatron_grpo.rewards.runner import RewardRunner
-    from megatron_grpo.trainer.engine_setup import build_engine
+    from megatron_grpo.trainer.engines.engine_setup import build_engine
 
     train_prompts, eval_prompts = prompts
     sampler = PromptSampler(train_prompts, batch_size=cfg.data.train_batch_size,

@@ -15,7 +15,7 @@ POSTs /update_weights_from_tensor with one payload per engine TP rank, as
 UpdateWeightsFromTensorReqInput.serialized_named_tensors wants them; the answer is shared with
 the other feeding ranks, which keep their tensors alive until then. Pause / begin / end / flush /
 continue and the memory tags stay with global rank 0's SGLangEngine (the per-stage protocol of
-trainer/stage_sync.py), once per engine around all the pushes.
+trainer/sync/stage_sync.py), once per engine around all the pushes.
 """
 from __future__ import annotations
 

@@ -144,7 +144,7 @@ class SGLangEngine(RolloutEngine, StagedWeightUpdates):
     def sync_metrics(self) -> dict[str, float]:
         return dict(self.last_sync_metrics)
 
-    # ----- sync from sender ranks (trainer/stage_sync.py: per stage, rollout/sglang/stage_sync.py;
+    # ----- sync from sender ranks (trainer/sync/stage_sync.py: per stage, rollout/sglang/stage_sync.py;
     # colocated, rollout/sglang/colocated.py) ---------------------------------------------------
     # One update: prepare (recover engines; new targets -> the senders rebuild their groups), begin
     # (pause generation, ONE begin_weight_update session per engine), the senders push, end (end

@@ -1,4 +1,4 @@
-"""Per-stage weight sync into SGLang servers (trainer/stage_sync.py): each pipeline stage's sender
+"""Per-stage weight sync into SGLang servers (trainer/sync/stage_sync.py): each pipeline stage's sender
 opens a DistributedTransport of its own (group megatron-grpo-pp<stage>, a free port on the
 sender's host), joined by every TP rank of every engine.
 

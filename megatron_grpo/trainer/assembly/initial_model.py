@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 def ensure_initial_model(cfg: Config, target: Path) -> None:
     """Rank 0: builds `target` unless it exists and was built from what this config asks for
     (config, override_config, tokenizer, trainer.seed)."""
-    from megatron_grpo.trainer.run_folder import differences, initial_model_record, read_initial_model_record
+    from megatron_grpo.trainer.state.run_folder import differences, initial_model_record, read_initial_model_record
 
     wanted, found = initial_model_record(cfg), read_initial_model_record(target)
     if found == wanted and (target / "config.json").is_file():
@@ -35,7 +35,7 @@ def ensure_initial_model(cfg: Config, target: Path) -> None:
 def _write_initial_model(cfg: Config, target: Path, record: dict) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_grpo.trainer.run_folder import INIT_RECORD
+    from megatron_grpo.trainer.state.run_folder import INIT_RECORD
 
     tokenizer_dir = target.with_name("synthetic_tokenizer")
     if cfg.model.tokenizer_path:

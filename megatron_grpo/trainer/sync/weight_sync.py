@@ -3,8 +3,8 @@
 Uses convert/'s streaming export, so the local engine on a CPU run goes through exactly the
 resharding that feeds SGLang on a cluster. Three routes (rollout.weight_sync_route):
   rank0      every stage's tensors through global rank 0, which pushes them (gather_hf_weights_on_rank0);
-  per_stage  each stage's sender pushes its own layers, all stages at once (trainer/stage_sync.py);
-  colocated  every rank whose GPU hosts an SGLang engine rank feeds it (trainer/stage_sync.py).
+  per_stage  each stage's sender pushes its own layers, all stages at once (trainer/sync/stage_sync.py);
+  colocated  every rank whose GPU hosts an SGLang engine rank feeds it (trainer/sync/stage_sync.py).
 Every rank must take part (TP gathers, PP sends), so a failure (an SGLang engine died mid-push) is
 held until the stream is drained and then told to every rank: all ranks export again and push again
 (the engine pool restarts or drops the dead engine first), up to `attempts` times, on any route;
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_grpo.convert.export import gather_hf_weights_on_rank0
 from megatron_grpo.errors import MegatronGRPOError, Rank0Failure, RolloutFailure
 from megatron_grpo.launch.collectives import agree, all_gather_objects, attempt_on_rank0, broadcast_from_rank0
-from megatron_grpo.trainer.stage_sync import StageSync
+from megatron_grpo.trainer.sync.stage_sync import StageSync
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 
 from megatron_grpo.config.schema import Config
-from megatron_grpo.trainer.batching import (MicroBatch, TrainSample, balance_into_micro_batches, collate,
+from megatron_grpo.trainer.batches.batching import (MicroBatch, TrainSample, balance_into_micro_batches, collate,
                                             collate_packed, pack_into_micro_batches)
 
 Purpose = Literal["train", "old_logprobs", "ref_logprobs"]
@@ -109,7 +109,7 @@ class MicroBatching:
 def attention_cost_weight(model_config) -> float:
     """w such that L + w * L^2 is proportional to a sequence's forward FLOPs: per layer the linear
     layers cost 2 * params per token, causal attention 2 * heads * head_dim per token pair."""
-    from megatron_grpo.trainer.flops import dense_parameter_count
+    from megatron_grpo.trainer.step.flops import dense_parameter_count
 
     attention = model_config.num_layers * model_config.num_attention_heads * model_config.head_dim
     return attention / dense_parameter_count(model_config)

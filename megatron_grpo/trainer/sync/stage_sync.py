@@ -1,5 +1,5 @@
 """Weight sync from several sender ranks at once, with no hop through global rank 0
-(rollout.weight_sync_route, trainer/weight_sync.py runs one sync):
+(rollout.weight_sync_route, trainer/sync/weight_sync.py runs one sync):
 
 per_stage  each pipeline stage's sender streams its own layers (convert/stage_export.py StageRole:
            tensor-parallel rank 0 of the first data-parallel replica), all stages at once:

@@ -1,13 +1,13 @@
-"""Where a run starts: the checkpoint its resume plan restores (trainer/checkpoint.py), or step 0;
+"""Where a run starts: the checkpoint its resume plan restores (trainer/state/checkpoint.py), or step 0;
 then the rollout engine is given the weights the run continues from, and metrics.jsonl loses the
 records a crashed earlier life logged after that step."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_grpo.trainer.checkpoint import Checkpointer
+from megatron_grpo.trainer.state.checkpoint import Checkpointer
 from megatron_grpo.trainer.metrics import METRICS_FILE, trim_metrics
-from megatron_grpo.trainer.weight_sync import ensure_engine_holds_the_start, sync_weights
+from megatron_grpo.trainer.sync.weight_sync import ensure_engine_holds_the_start, sync_weights
 
 
 def resume(run, checkpointer: Checkpointer) -> int:

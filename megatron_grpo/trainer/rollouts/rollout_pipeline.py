@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from megatron_grpo.errors import MegatronGRPOError
-from megatron_grpo.trainer.rollout_phase import RolloutBatch, RolloutSettings, collect_rollout_batch
+from megatron_grpo.trainer.rollouts.rollout_phase import RolloutBatch, RolloutSettings, collect_rollout_batch
 
 log = logging.getLogger(__name__)
 

@@ -5,11 +5,11 @@ The files of one checkpoint and what makes it complete: checkpointing/layout.py.
 written under <save_dir>/.tmp-step_N, then renamed: a crash before the rename leaves only a
 .tmp-step_N folder, which is never loaded (and removed by the next save); a crash after it leaves a
 complete step_N. Whether a checkpoint belongs to this run, fits its model and data, and can be
-resharded to its layout is checked before anything is restored (trainer/resume_plan.py); a
+resharded to its layout is checked before anything is restored (trainer/state/resume_plan.py); a
 checkpoint that megatron then fails to read is skipped (if no older one loads, that is an error: DCP
 reads into the live model in place, so a failed read leaves it half overwritten). Old checkpoints
 (keep_last) are renamed to .trash-step_N before deletion. What happens around a restore (the
-engine's weights, metrics.jsonl) is trainer/resume.py's.
+engine's weights, metrics.jsonl) is trainer/state/resume.py's.
 
 Security: nothing here unpickles arbitrary objects. Our files are JSON, YAML and torch.load(...,
 weights_only=True); megatron's torch_dist files are read with torch's DCP, whose byte-object
@@ -269,7 +269,7 @@ class Checkpointer:
         """Restores the best checkpoint of run.resume_plan (checked by resume_plan.py before the
         model was built) and applies this config's hyperparameters on top; None when there is
         none to restore (a fresh start)."""
-        from megatron_grpo.trainer.resume_plan import explicit
+        from megatron_grpo.trainer.state.resume_plan import explicit
 
         half_read = []  # checkpoints whose read failed after writing into the live model
         for candidate in self.run.resume_plan:
@@ -304,7 +304,7 @@ class Checkpointer:
 
         from megatron_grpo.launch.cpu import fix_torch_adam_step_after_load, prepare_torch_adam_for_load
         from megatron_grpo.launch.safe_dcp import dcp_bytes_weights_only
-        from megatron_grpo.trainer.resume_plan import saved_optimizer_format
+        from megatron_grpo.trainer.state.resume_plan import saved_optimizer_format
 
         path, trainer_state = candidate.path, candidate.trainer_state
         failure, rng = None, None

@@ -1,5 +1,5 @@
 """`megatron-grpo eval RECIPE [overrides]`: a run's checkpoint evaluated on its validation prompts
-(the metrics: trainer/evaluate.py)."""
+(the metrics: trainer/evaluation/evaluate.py)."""
 from __future__ import annotations
 
 import argparse
@@ -47,9 +47,9 @@ def main(argv=None) -> int:
 def _evaluate_checkpoint(cfg) -> tuple[int, dict[str, float], bool]:
     from megatron_grpo.checkpointing.layout import checkpoint_root
     from megatron_grpo.errors import CheckpointError
-    from megatron_grpo.trainer.checkpoint import Checkpointer
+    from megatron_grpo.trainer.state.checkpoint import Checkpointer
     from megatron_grpo.trainer.loop import evaluate_policy
-    from megatron_grpo.trainer.resume import resume
+    from megatron_grpo.trainer.state.resume import resume
     from megatron_grpo.trainer.setup import build_run
 
     # Evaluate in a folder of its own: resuming must not touch the training run's metrics.

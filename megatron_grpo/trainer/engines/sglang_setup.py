@@ -78,7 +78,7 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
         elif s.weight_sync == "disk":
             transport = DiskTransport(client, targets, s.disk_sync_dir or output_dir / "weight_sync",
                                       side_files_from=model_dir, timeout_s=s.weight_update_timeout_s)
-        else:  # colocated: each trainer rank feeds the engine on its GPU (trainer/stage_sync.py)
+        else:  # colocated: each trainer rank feeds the engine on its GPU (trainer/sync/stage_sync.py)
             transport = TensorTransport(client, targets, bucket_bytes=bucket_bytes, timeout_s=s.weight_update_timeout_s)
         generate_client = SGLangClient([router_url], concurrency=s.max_concurrency, timeout_s=s.request_timeout_s,
                                        retry=RetryPolicy(max_attempts=s.max_retries + 1),

@@ -20,7 +20,7 @@ from megatron_grpo.algo import GlobalBatchInfo, GRPOLossConfig, compute_grpo_los
 from megatron_grpo.algo.off_policy import SAFETY_BOUND
 from megatron_grpo.models.moe_metrics import RouterStats
 from megatron_grpo.ops.vocab_parallel import vocab_parallel_logprobs_and_entropy
-from megatron_grpo.trainer.batching import MicroBatch, TrainSample
+from megatron_grpo.trainer.batches.batching import MicroBatch, TrainSample
 
 # Metrics reduced with MAX instead of SUM over micro-batches and ranks.
 MAX_METRICS = ("actor/ratio_max_abs_dev", "actor/logprob_abs_diff_max", "off_policy/is_ratio_max")
@@ -133,7 +133,7 @@ def fill_logprobs(model_chunks, samples: list[TrainSample], cfg, name: str, *, m
     """Sets samples[i].<name> ("old_logprobs" / "ref_logprobs") for this rank's samples on the last
     pipeline stage: a forward-only pass over micro-batches planned with the pass's own token
     budget (micro_batches.MicroBatching.from_config), from mini-batch `skip_mini_batches` on."""
-    from megatron_grpo.trainer.micro_batches import plan_micro_batches
+    from megatron_grpo.trainer.batches.micro_batches import plan_micro_batches
 
     plan = plan_micro_batches(samples, cfg, purpose=name, model_config=model_config,
                               skip_mini_batches=skip_mini_batches)

@@ -1,6 +1,6 @@
 """The HF folder the policy starts from: model.path (a local HF folder (config.json), a `convert
 hf-to-megatron` checkpoint, or a Hugging Face hub id, fetched into (or found in) the hub cache
-before anything reads it), else <output_dir>/initial_model (trainer/initial_model.py); one clear
+before anything reads it), else <output_dir>/initial_model (trainer/assembly/initial_model.py); one clear
 error otherwise."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def prepare_model_folder(cfg: Config, output_dir: Path) -> Path:
         folder = hf_model_folder(_resolved_model_path(cfg.model.path), output_dir)
         _warn_unapplied_overrides(cfg.model.override_config, folder)
         return folder
-    from megatron_grpo.trainer.initial_model import ensure_initial_model
+    from megatron_grpo.trainer.assembly.initial_model import ensure_initial_model
 
     target = output_dir / INITIAL_MODEL_DIR
     on_rank0(ensure_initial_model, cfg, target)

@@ -10,7 +10,7 @@ Rank 0 runs two checks from setup.build_run, both before the policy is built:
      (same prompts and seed; a changed data.train_batch_size continues at the same prompt), and
      whether the optimizer state can be resharded to this layout. What else changed (lr, clip,
      KL, batch sizes, layout) is listed; the resume applies the new values and logs the list.
-The result, a list of checked Candidates, is what Checkpointer.resume loads (trainer/checkpoint.py).
+The result, a list of checked Candidates, is what Checkpointer.resume loads (trainer/state/checkpoint.py).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from megatron_grpo.checkpointing import layout
 from megatron_grpo.checkpointing.layout import LAYOUT_RESHARDABLE, MODEL_SPACE, RUN_FILE
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import CheckpointError
-from megatron_grpo.trainer.run_folder import (
+from megatron_grpo.trainer.state.run_folder import (
     DEFINING_KEYS,
     RunFolderError,
     differences,

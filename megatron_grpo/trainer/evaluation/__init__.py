@@ -1,0 +1,1 @@
+"""pass@k on the validation prompts, and `megatron-grpo eval`."""
