@@ -312,7 +312,7 @@ def main(argv=None) -> list[Result]:
                 status = result.skipped or (f"peak extra {result.peak_extra / GIB:.3f} GiB, "
                                             f"{result.seconds if result.seconds is not None else float('nan'):.3f} s")
                 print(f"TP={tp} T={tokens} {METHODS[method]}: {status}", file=sys.stderr, flush=True)
-    device_note = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, 1 thread per rank"
+    device_note = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU, 1 thread per rank"
     print(f"\nV={args.vocab} (padded to 128*TP), bf16 logits, H={args.hidden} for (d0)/(d), {device_note}, "
           f"median of {args.repeats} timed run(s)\n")
     print(markdown_table(results))

@@ -3,7 +3,6 @@ layout independence of checkpoints, and the errors for bad inputs."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path

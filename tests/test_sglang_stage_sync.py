@@ -5,7 +5,6 @@ bitwise what the rank-0 route (gather_hf_weights_on_rank0) and the policy's HF f
 stage whose push the engine refuses fails the sync on every rank (no hang), and the engine keeps
 serving."""
 import pytest
-import torch
 
 from megatron_grpo.testing.distributed import run_distributed
 from tests.sglang_harness.fixtures import launch_servers, server_settings

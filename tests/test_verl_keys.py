@@ -4,7 +4,6 @@ and the table `config verl-keys` prints (docs/verl.md)."""
 from __future__ import annotations
 
 import fnmatch
-import re
 import shlex
 import subprocess
 import sys

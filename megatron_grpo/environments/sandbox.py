@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, Optional
 
 Status = Literal["ok", "error", "timeout", "memory", "blocked"]

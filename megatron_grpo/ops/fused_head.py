@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.ops.vocab_parallel import (
-    CPU_CHUNK_ELEMENTS, CUDA_CHUNK_ELEMENTS, VocabShard, _prepare_upstream, accumulate_chunk_stats, chunk_grad,
+    CPU_CHUNK_ELEMENTS, CUDA_CHUNK_ELEMENTS, _prepare_upstream, accumulate_chunk_stats, chunk_grad,
     combine_stats, default_chunk_size, empty_stats, flatten_ignored, local_targets_and_ownership,
     outputs_from_stats, resolve_vocab_shard, scaled_chunk)
 

@@ -27,7 +27,6 @@ import traceback
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Client, Connection, Listener
-from pathlib import Path
 from typing import Any, Sequence
 
 from megatron_grpo.errors import MegatronGRPOError

@@ -11,7 +11,6 @@ With rollout.max_staleness = K > 0 the rollout of the next steps runs during the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from pathlib import Path
 

@@ -137,7 +137,7 @@ class Running:
 class CpuScheduler:
     def __init__(self, server_args, port_args):
         import zmq
-        from sglang.srt.configs.model_config import ModelArchitecture
+        from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.disaggregation.utils import DisaggregationMode
         from sglang.srt.distributed.bootstrap import init_parallel_runtime
         from sglang.srt.managers.scheduler_components.ipc_channels import SchedulerIpcChannels
@@ -155,7 +155,7 @@ class CpuScheduler:
         init_parallel_runtime(server_args=server_args, device="cpu", dist_port=port_args.nccl_port)
         self.tp_rank, self.tp_size = get_parallel().tp_rank, get_parallel().tp_size
         self.tp_cpu_group = get_parallel().tp_group.cpu_group
-        self.model_config = ModelArchitecture.from_server_args(server_args)
+        self.model_config = ModelConfig.from_server_args(server_args)
         self.tokenizer = get_tokenizer(get_serving().tokenizer_path or server_args.model_path)
         self.deterministic = bool(get_exec().deterministic.enable_deterministic_inference)
         self.runner = CpuModelRunner(server_args, self.model_config, self.tp_rank)
