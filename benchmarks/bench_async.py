@@ -105,7 +105,8 @@ def _samples_per_step(overrides: list[str]) -> int:
 
 def _table(results: list[Result], target: float) -> str:
     sync = {r.seed: r for r in results if r.name == "sync"}
-    lines = [f"| configuration | seed | time to {target} | speed vs sync | samples to {target} | vs sync | tokens/s | vs sync "
+    lines = [f"| configuration | seed | time to {target} | speed vs sync | samples to {target} | vs sync "
+             "| tokens/s | vs sync "
              "| last-10 reward | peak RSS | mean staleness | dropped stale |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -115,7 +116,8 @@ def _table(results: list[Result], target: float) -> str:
         samples = (f"{r.samples_to_target / base.samples_to_target:.2f}x"
                    if r.samples_to_target and base.samples_to_target else "-")
         lines.append(
-            f"| {r.name} | {r.seed} | {f'{r.time_to_target_s:.1f} s' if r.time_to_target_s else 'not reached'} | {speed} "
+            f"| {r.name} | {r.seed} | {f'{r.time_to_target_s:.1f} s' if r.time_to_target_s else 'not reached'} "
+            f"| {speed} "
             f"| {r.samples_to_target or 'not reached'} | {samples} | {r.tokens_per_s:,.0f} "
             f"| {r.tokens_per_s / base.tokens_per_s:.2f}x | {r.final_reward:.3f} | {r.peak_rss_mib:,.0f} MiB "
             f"({r.peak_rss_mib / base.peak_rss_mib:.2f}x) | {r.staleness_mean:.2f} | {r.dropped_stale:.0f} |")
@@ -130,7 +132,7 @@ def _plot(out: Path, target: float) -> None:
 
     fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(11, 4))
     for run_dir in sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists()):
-        train = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+        train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         train = [r for r in train if "reward/mean" in r and "time/step" in r]
         start = train[0]["time"] - train[0]["time/step"]
         smooth = [sum(r["reward/mean"] for r in train[max(0, i - WINDOW + 1):i + 1]) / min(i + 1, WINDOW)

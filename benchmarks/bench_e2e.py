@@ -439,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     trl_note = None
     if trl_python is None:
         trl_note = ("TRL side skipped: trl is not importable (run `python benchmarks/bench_e2e.py --setup-trl`, "
-                    "or pass --trl-python PATH)." if args.trl_python != "none" else "TRL side skipped (--trl-python none).")
+                    "or pass --trl-python PATH)." if args.trl_python != "none"
+                    else "TRL side skipped (--trl-python none).")
         print(trl_note, file=sys.stderr)
 
     ours: list[Result] = []

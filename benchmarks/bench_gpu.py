@@ -40,6 +40,7 @@ time limit leaves what it measured.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -123,7 +124,8 @@ def hf_config(name: str, vocab_size: Optional[int] = None) -> dict:
     return config
 
 
-def device_peaks(device: torch.device, tflops: Optional[float], tbps: Optional[float]) -> tuple[str, Optional[float], Optional[float]]:
+def device_peaks(device: torch.device, tflops: Optional[float],
+                 tbps: Optional[float]) -> tuple[str, Optional[float], Optional[float]]:
     """trainer/step/flops.py's table, with --peak-tflops / --peak-tbps taking precedence."""
     from megatron_grpo.trainer.step.flops import device_peaks as table_peaks
 
@@ -187,7 +189,8 @@ def bench_train(args, device: torch.device, dtype: torch.dtype, report: Report, 
         # --packed: GRPO-like uneven responses (uniform in 1..response_length), packed as the trainer does.
         lengths = (torch.randint(1, args.response_length + 1, (rows,), generator=generator).tolist() if packed
                    else [args.response_length] * rows)
-        samples = [TrainSample(prompt_ids=torch.randint(mc.vocab_size, (args.prompt_length,), generator=generator).tolist(),
+        samples = [TrainSample(prompt_ids=torch.randint(mc.vocab_size, (args.prompt_length,),
+                                                        generator=generator).tolist(),
                                response_ids=torch.randint(mc.vocab_size, (length,), generator=generator).tolist(),
                                advantage=1.0 if i % 2 else -1.0) for i, length in enumerate(lengths)]
         if packed:
@@ -203,9 +206,9 @@ def bench_train(args, device: torch.device, dtype: torch.dtype, report: Report, 
                                                                loss_scale_factor=args.response_length)
         loss_config = GRPOLossConfig()
 
-        def step():
-            return train_on_mini_batch(policy, optimizer, micro_batches, loss_config=loss_config, batch_info=batch_info,
-                                       temperature=1.0, vocab_size=mc.vocab_size, device=device, need_entropy=True)
+        step = functools.partial(train_on_mini_batch, policy, optimizer, micro_batches, loss_config=loss_config,
+                                 batch_info=batch_info, temperature=1.0, vocab_size=mc.vocab_size, device=device,
+                                 need_entropy=True)
 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -219,12 +222,16 @@ def bench_train(args, device: torch.device, dtype: torch.dtype, report: Report, 
                    f"[{args.micro_batch_rows} x {seq}] tokens, fwd+bwd+Adam"
                    + (f", packed: {tokens} useful tokens of responses 1..{args.response_length}" if packed else ""))
         target, verdict = target_verdict("train_mfu", achieved / peak_tflops if peak_tflops else None, report.raw)
-        report.rows.append(Row("train step (packed)" if packed else "train step", setting, f"{achieved:.{1 if achieved >= 0.1 else 4}f} TFLOP/s ({seconds:.3f} s/step, "
-                               f"{tokens / seconds:,.0f} tok/s)", f"{peak_tflops:.0f} TFLOP/s" if peak_tflops else "n/a",
+        report.rows.append(Row("train step (packed)" if packed else "train step", setting,
+                               f"{achieved:.{1 if achieved >= 0.1 else 4}f} TFLOP/s ({seconds:.3f} s/step, "
+                               f"{tokens / seconds:,.0f} tok/s)",
+                               f"{peak_tflops:.0f} TFLOP/s" if peak_tflops else "n/a",
                                pct(achieved, peak_tflops) + " MFU" if peak_tflops else "n/a", target, verdict))
-        report.raw["train_packed" if packed else "train"] = dict(seconds=seconds, tokens=tokens, tflops=achieved, params=params, backend=backend,
-                                   peak_memory=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
-    del optimizer, policy, chunks
+        report.raw["train_packed" if packed else "train"] = dict(seconds=seconds, tokens=tokens, tflops=achieved,
+                                                                 params=params, backend=backend,
+                                                                 peak_memory=(torch.cuda.max_memory_allocated(device)
+                                                                              if device.type == "cuda" else None))
+    optimizer = policy = chunks = None  # released before the next section (the closures above hold them)
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
@@ -273,7 +280,7 @@ def bench_logprob(args, device: torch.device, report: Report, peak_tbps: Optiona
         report.rows.append(Row("log-prob kernels", f"{name} vs device copy", bandwidth(raw[name]["tbps"] * 1e12),
                                bandwidth(copy_tbps * 1e12), pct(raw[name]["tbps"], copy_tbps), target, verdict))
     report.raw["logprob"] = raw
-    del logits, targets
+    logits = targets = None  # released before the next section (the closures above hold them)
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -307,7 +314,8 @@ def bench_memory(args, device: torch.device, report: Report) -> None:
 
 
 # ----- 4. generation ---------------------------------------------------------------------------
-def bench_generation(args, device: torch.device, dtype: torch.dtype, report: Report, peak_tbps: Optional[float]) -> None:
+def bench_generation(args, device: torch.device, dtype: torch.dtype, report: Report,
+                     peak_tbps: Optional[float]) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_grpo.rollout.local import LocalEngine

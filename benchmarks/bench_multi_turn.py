@@ -9,7 +9,8 @@ initialised from trainer.seed, the synthetic tokenizer), on the local engine (fp
 what the trainer's multi-turn rollout runs: environments/episodes.run_episodes over 32 prompts x 16
 trajectories, every turn one batched generate call continuing each trajectory's ids. The environment
 is scripted so every episode runs exactly `turns` turns (each turn its whole token budget, counted
-as stopped by its last id; a fixed-length observation after each turn but the last): both modes do the same work, token for token.
+as stopped by its last id; a fixed-length observation after each turn but the last): both modes do
+the same work, token for token.
 Modes, alternated round by round on the same prompts and seeds:
   kept      every turn but the last asks the engine to keep its KV (GenerationRequest.keep_kv, what
             the trainer sends): the next turn prefills only its new ids;

@@ -84,7 +84,8 @@ def gsm8k_lengths(path: str, tokenizer: str | None = None) -> tuple[list[tuple[i
                 obj = json.loads(line)
                 records.append((f"{obj['question']} {INSTRUCTION}", obj["answer"]))
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise SystemExit(f"error: {path}:{line_number}: expected a JSON object with 'question' and 'answer'")
+                raise SystemExit(f"error: {path}:{line_number}: "
+                                 "expected a JSON object with 'question' and 'answer'") from None
     if not records:
         raise SystemExit(f"error: {path}: no records")
     if tokenizer is None:
@@ -222,7 +223,8 @@ def summarize(results: dict[str, dict], settings: Settings, unit: str) -> dict:
 
 
 def table(summary: dict) -> str:
-    rows = ["| layout | micro-batches | useful / processed tokens | useful fraction | step (s) | step peak memory (MiB) |",
+    rows = ["| layout | micro-batches | useful / processed tokens | useful fraction | step (s) "
+            "| step peak memory (MiB) |",
             "| --- | --- | --- | --- | --- | --- |"]
     for mode, r in summary["modes"].items():
         rows.append(f"| {mode} | {r['micro_batches']} | {r['useful_tokens']:,} / {r['processed_tokens']:,} | "

@@ -12,8 +12,9 @@ bash scripts/install_test_deps.sh
 .venv/bin/python benchmarks/bench_e2e.py --setup-trl > /dev/null
 # SGLang 0.5.23's own code (--no-deps) and the sglang-router binary for tests/sglang_harness.
 bash scripts/setup_sglang_venv.sh
-export MEGATRON_GRPO_REQUIRE_SGLANG=1  # the SGLang tests fail, not skip, if that venv is missing
+# The SGLang, Slurm, MPI and shellcheck tests fail, not skip, if what they need is missing.
+export MEGATRON_GRPO_REQUIRE_TEST_DEPS=1
 export SLURM_LOCAL_OWNER_PID=$$  # the local Slurm stops with this script, even if it is killed
-bash scripts/start_local_slurm.sh || echo "local Slurm not started: the Slurm tests will skip"
+bash scripts/start_local_slurm.sh || echo "local Slurm not started: the Slurm tests will fail"
 trap 'bash scripts/stop_local_slurm.sh >/dev/null 2>&1 || true' EXIT
 .venv/bin/python -m pytest "$@"

@@ -69,7 +69,8 @@ def test_prepared_gsm8k_slice_loads(tmp_path):
     (json.dumps({**_row(0), "prompt": "just text"}), "'prompt' must be a non-empty list"),
     (json.dumps({**_row(0), "prompt": [{"role": "robot", "content": "x"}]}), "prompt[0].role must be one of"),
     (json.dumps({**_row(0), "prompt": [{"role": "user", "content": 5}]}), "prompt[0].content must be a string"),
-    (json.dumps({**_row(0), "reward_model": {"style": "rule"}}), "'reward_model' must be an object with 'ground_truth'"),
+    (json.dumps({**_row(0), "reward_model": {"style": "rule"}}),
+     "'reward_model' must be an object with 'ground_truth'"),
     (json.dumps({**_row(0), "extra_info": [1]}), "'extra_info' must be an object"),
 ])
 def test_bad_line_names_file_and_line(tmp_path, line, message):
@@ -102,7 +103,8 @@ def test_bad_parquet_row_and_files(tmp_path):
 def test_chat_formatting_tokenizer_template_and_template_string(tokenizer):
     messages = [{"role": "system", "content": "sort"}, {"role": "user", "content": "reverse 123"}]
     text = render_chat(messages, tokenizer)
-    assert text == "<|im_start|>system\nsort<|im_end|>\n<|im_start|>user\nreverse 123<|im_end|>\n<|im_start|>assistant\n"
+    assert text == ("<|im_start|>system\nsort<|im_end|>\n<|im_start|>user\nreverse 123<|im_end|>\n"
+                    "<|im_start|>assistant\n")
     custom = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     assert render_chat(messages, tokenizer, custom) == "system: sort\nuser: reverse 123\nassistant:"
 

@@ -151,7 +151,8 @@ def test_fused_head_on_device(dtype, true_fp32, record_property):
     assert gx.dtype == gw.dtype == dtype and lp.dtype == torch.float32
     terms = TERMS[dtype]
     ratios = {"logp": error_ratio(lp, ref_lp, dtype, terms), "entropy": error_ratio(ent, ref_h, dtype, terms),
-              "grad_hidden": error_ratio(gx, ref_gh, dtype, terms), "grad_weight": error_ratio(gw, ref_gw, dtype, terms)}
+              "grad_hidden": error_ratio(gx, ref_gh, dtype, terms),
+              "grad_weight": error_ratio(gw, ref_gw, dtype, terms)}
     worst = max(ratios, key=ratios.get)
     record(record_property, f"[{tokens} x {hidden_size}] @ [{padded} x {hidden_size}]^T {dtype}: worst {worst} "
            f"at {ratios[worst]:.3f} of its bound", "<= 1 (4 sqrt(terms) eps)", error_ratios=ratios)

@@ -171,7 +171,8 @@ def _records(steps=3, changes=None):
 
 def test_grpo_invariants_hold_on_a_clean_run_and_name_each_violation():
     assert all(holds for _, holds, _ in gpu_check.grpo_invariants(_records(), 3))
-    cases = {"old == current at the first mini-batch (ratio 1 exactly)": {2: {"invariant/ratio_dev_first_minibatch": 1e-7}},
+    cases = {"old == current at the first mini-batch (ratio 1 exactly)":
+             {2: {"invariant/ratio_dev_first_minibatch": 1e-7}},
              "no update skipped": {3: {"actor/updates_skipped": 1.0}},
              "loss and grad norm finite": {1: {"actor/loss": float("nan")}},
              "gradient non-zero every step (weights move)": {2: {"actor/grad_norm": 0.0}},

@@ -8,7 +8,6 @@ uses is not touched; it is purged at the end. Needs root and the Slurm packages;
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.requirements import require_executable, require_root
 
 from megatron_grpo.launch.env import free_port
 
@@ -33,10 +34,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_cluster_stops_when_its_owner_is_killed(tmp_path):
-    if shutil.which("slurmctld") is None or shutil.which("sbatch") is None:
-        pytest.skip("Slurm is not installed (bash scripts/install_test_deps.sh installs it)")
-    if os.geteuid() != 0:
-        pytest.skip("the local Slurm cluster needs root (munged, slurmd)")
+    require_executable("slurmctld", "Slurm's slurmctld")
+    require_executable("sbatch", "Slurm's sbatch")
+    require_root("the local Slurm cluster (munged, slurmd)")
     folder = Path("/tmp") / f"megatron-grpo-slurm-owner-test-{os.getpid()}"  # short: daemons' socket paths
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
     env.update(SLURM_LOCAL_DIR=str(folder), SLURM_LOCAL_CTLD_PORT=str(free_port()),

@@ -65,8 +65,8 @@ def test_known_notices_are_dropped_and_nothing_else(quieted):
         warnings.simplefilter("always")
         mcore_compat.quiet_known_notices()  # on top of "always": the known ones are ignored again
         for message in WARNED:
-            warnings.warn(message, UserWarning)
-        warnings.warn("Transformer Engine is missing a kernel", UserWarning)
+            warnings.warn(message, UserWarning, stacklevel=1)
+        warnings.warn("Transformer Engine is missing a kernel", UserWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["Transformer Engine is missing a kernel"]
 
 

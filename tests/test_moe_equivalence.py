@@ -65,7 +65,8 @@ def _first_step(rank, world_size, policy_path, parallel, samples):
     from megatron_grpo.trainer.step.train_step import train_on_mini_batch
 
     cfg = load_config("tiny_cpu", [f"parallel.sequence_parallel={parallel.get('sequence_parallel', False)}",
-                                   f"parallel.tensor={parallel.get('tensor', 1)}", "rollout.n=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+                                   f"parallel.tensor={parallel.get('tensor', 1)}", "rollout.n=4",
+                                   "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
                                    "actor.max_tokens_per_micro_batch=48", "actor.entropy_coeff=0.01"])
     layout = ParallelLayout(**parallel)
     initialize_model_parallel(layout, seed=1)

@@ -32,7 +32,8 @@ def test_moe_config_fields():
     assert (cfg.num_experts, cfg.moe_top_k, cfg.moe_ffn_hidden_size) == (8, 2, 32)
     assert cfg.moe_layers == (0, 1, 3) and cfg.dense_layers == (2,) and cfg.norm_topk_prob
     assert cfg.router_aux_loss_coef == 0.0  # HF adds it only with output_router_logits
-    on = ModelArchitecture.from_hf(dict(TINY_CONFIGS["qwen3_moe"], output_router_logits=True, router_aux_loss_coef=0.01))
+    on = ModelArchitecture.from_hf(dict(TINY_CONFIGS["qwen3_moe"], output_router_logits=True,
+                                        router_aux_loss_coef=0.01))
     assert on.router_aux_loss_coef == 0.01
     # HF: sparse where (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers
     step2 = ModelArchitecture.from_hf(dict(TINY_CONFIGS["qwen3_moe"], decoder_sparse_step=2, mlp_only_layers=[]))

@@ -1,4 +1,5 @@
-"""Rollout routing replay (models/routing_replay.py, rollout/routed_experts.py, convert/fused_experts.py, rollout/local.py).
+"""Rollout routing replay (models/routing_replay.py, rollout/routed_experts.py, convert/fused_experts.py,
+rollout/local.py).
 
 The local engine samples from the tiny Qwen3-MoE and records, per position and layer, the experts
 it routed to. The trainer (megatron, the same weights) recomputes the response log-probs with the

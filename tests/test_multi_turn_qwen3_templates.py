@@ -95,7 +95,8 @@ def whole(tokenizer, chat_template, messages):
 
 @pytest.mark.parametrize("name, turns", [
     # Qwen3 thinking: non-empty <think> blocks are kept in the turns after the last user query
-    ("qwen3.jinja", ["<think>\nMultiply.\n</think>\n\n" + call("print(6*7)"), "<think>\nIt printed 42.\n</think>\n\n#### 42"]),
+    ("qwen3.jinja", ["<think>\nMultiply.\n</think>\n\n" + call("print(6*7)"),
+                     "<think>\nIt printed 42.\n</think>\n\n#### 42"]),
     ("qwen3_instruct_2507.jinja", [call("print(6*7)"), "#### 42"]),
 ])
 def test_qwen3_templates_render_tool_episodes_incrementally(tokenizer, name, turns):

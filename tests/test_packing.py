@@ -13,7 +13,8 @@ import torch
 from megatron_grpo.testing.distributed import run_distributed
 from megatron_grpo.trainer.batches.batching import (PER_TOKEN_NAMES, TrainSample, collate, collate_packed,
                                             pack_into_micro_batches)
-from megatron_grpo.trainer.batches.micro_batches import MicroBatching, ParallelShape, plan, split_for_context_parallel_rank
+from megatron_grpo.trainer.batches.micro_batches import (MicroBatching, ParallelShape, plan,
+                                                         split_for_context_parallel_rank)
 
 FP32_EPS = float(torch.finfo(torch.float32).eps)
 
@@ -324,12 +325,14 @@ def test_packing_is_the_default_and_pass_budgets_are_their_own():
     from megatron_grpo.config import load_config, validate
     from megatron_grpo.errors import ConfigError
 
-    cfg = load_config("tiny_cpu", ["actor.logprob_max_tokens_per_micro_batch=5000", "ref.max_tokens_per_micro_batch=7000"])
+    cfg = load_config("tiny_cpu", ["actor.logprob_max_tokens_per_micro_batch=5000",
+                                   "ref.max_tokens_per_micro_batch=7000"])
     assert cfg.actor.packing is True
     assert MicroBatching.from_config(cfg).max_tokens == cfg.actor.max_tokens_per_micro_batch
     assert MicroBatching.from_config(cfg, "old_logprobs").max_tokens == 5000
     assert MicroBatching.from_config(cfg, "ref_logprobs").max_tokens == 7000
-    assert MicroBatching.from_config(load_config("tiny_cpu"), "ref_logprobs").max_tokens == cfg.actor.max_tokens_per_micro_batch
+    assert (MicroBatching.from_config(load_config("tiny_cpu"), "ref_logprobs").max_tokens
+            == cfg.actor.max_tokens_per_micro_batch)
     with pytest.raises(ConfigError, match=r"actor\.logprob_max_tokens_per_micro_batch=10 is below the longest"):
         validate(load_config("tiny_cpu", ["actor.logprob_max_tokens_per_micro_batch=10"]), world_size=1)
 

@@ -18,7 +18,8 @@ def test_bench_packing_quick(tmp_path):
     for key in ("padded_useful_frac", "packed_useful_frac", "speedup", "peak_mem_ratio"):
         assert isinstance(result[key], float), key
     modes = result["modes"]
-    assert modes["packed"]["useful_tokens"] == modes["padded"]["useful_tokens"] == modes["padded-fixed"]["useful_tokens"]
+    assert (modes["packed"]["useful_tokens"] == modes["padded"]["useful_tokens"]
+            == modes["padded-fixed"]["useful_tokens"])
     assert result["packed_useful_frac"] == 1.0  # one process: no kernel needs a multiple
     assert result["padded_useful_frac"] < 1.0
     assert result["length_unit"].startswith("proxy")

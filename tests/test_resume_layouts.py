@@ -113,7 +113,8 @@ def test_resume_tp2_pp2_then_tp1_then_dp2(tmp_path):
 
     # Step 4 at DP2 from that step 3, against step 4 continued at TP1 (the uninterrupted run there).
     step_3 = single / "checkpoints" / "step_3"
-    at_dp2 = run_distributed(_train, 2, ([*FAST, f"checkpoint.resume={step_3}", f"logging.output_dir={tmp_path / 'dp2'}"],
+    at_dp2 = run_distributed(_train, 2, ([*FAST, f"checkpoint.resume={step_3}",
+                                          f"logging.output_dir={tmp_path / 'dp2'}"],
                                          None, tmp_path / "resaved_dp2"), timeout=300)[0]
     continued = run_distributed(_train, 1, ([*FAST, f"checkpoint.resume={step_3}",
                                              f"logging.output_dir={tmp_path / 'tp1'}"],), timeout=300)[0]

@@ -265,7 +265,8 @@ def verl_file(tmp_path):
 
 def _verl_requests(rows):
     return [RewardRequest(prompt=f"question {i}", response=response, ground_truth=truth,
-                          extra={"index": i, "data_source": source}) for i, (source, response, truth) in enumerate(rows)]
+                          extra={"index": i, "data_source": source})
+            for i, (source, response, truth) in enumerate(rows)]
 
 
 def test_verl_compute_score_gets_verl_arguments_in_process_and_in_workers(verl_file):

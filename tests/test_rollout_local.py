@@ -79,7 +79,8 @@ def test_greedy_equals_argmax_decoding(engine, model):
 
 def test_top_k_1_and_tiny_top_p_are_greedy(engine):
     greedy = engine.generate(requests_for(SamplingParams(temperature=0.0, max_new_tokens=8)))
-    for params in (SamplingParams(top_k=1, max_new_tokens=8, seed=3), SamplingParams(top_p=1e-6, max_new_tokens=8, seed=3)):
+    for params in (SamplingParams(top_k=1, max_new_tokens=8, seed=3),
+                   SamplingParams(top_p=1e-6, max_new_tokens=8, seed=3)):
         assert [s.response_ids for s in engine.generate(requests_for(params))] == [s.response_ids for s in greedy]
 
 

@@ -94,7 +94,8 @@ def test_force_cannot_load_weights_of_other_shapes(trained, tmp_path):
     checkpoints = snapshot(out / "checkpoints")
     line = one_error_line(train(f"logging.output_dir={out}", "trainer.total_steps=3", "checkpoint.resume=force",
                                 "model.override_config.hidden_size=32"))
-    assert "holds a model of other shapes (hidden_size: 64 -> 32)" in line and "even with checkpoint.resume=force" in line
+    assert ("holds a model of other shapes (hidden_size: 64 -> 32)" in line
+            and "even with checkpoint.resume=force" in line)
     assert snapshot(out / "checkpoints") == checkpoints
 
 
@@ -206,7 +207,8 @@ def test_unusable_model_path_is_one_line(tmp_path, kind):
 
 def test_a_training_checkpoint_as_model_path_is_one_line(trained, tmp_path):
     step = trained / "checkpoints" / "step_2"
-    line = one_error_line(train(f"model.path={step}", f"logging.output_dir={tmp_path / 'out'}", "trainer.total_steps=1"))
+    line = one_error_line(train(f"model.path={step}", f"logging.output_dir={tmp_path / 'out'}",
+                                "trainer.total_steps=1"))
     assert line == (f"error: model.path={step} is a training checkpoint: continue it with checkpoint.resume={step}, "
                     f"or make an HF folder of it with `megatron-grpo export {step} --out HF_DIR`")
 

@@ -33,7 +33,8 @@ def test_tokenizer_path_is_used_with_model_path(tmp_path):
     model = save_tiny_model(tmp_path / "model", seed=0)
     tokenizer = build_tokenizer(tmp_path / "tokenizer")
     built = run_distributed(_built, 1, ([*FAST, f"model.path={model}", "model.override_config={}",
-                                         f"model.tokenizer_path={tokenizer}", f"logging.output_dir={tmp_path / 'run'}"],),
+                                         f"model.tokenizer_path={tokenizer}",
+                                         f"logging.output_dir={tmp_path / 'run'}"],),
                             timeout=300)[0]
     from transformers import AutoTokenizer
 

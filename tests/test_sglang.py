@@ -73,11 +73,13 @@ def test_buckets_are_bounded_ordered_and_complete():
 
 def test_launcher_command_lines():
     """was: --enable-deterministic-inference never passed, so seeds did nothing on a real server."""
-    settings = ServerSettings(model_path="/m", tokenizer_path="/t", tp_size=4, mem_fraction_static=0.7, host="10.0.0.2", port=31000,
-                              api_key="k", enable_memory_saver=True, enable_deterministic_inference=True,
-                              extra_args=("--attention-backend", "fa3"), command=("python3", "-m", "sglang.launch_server"))
+    settings = ServerSettings(model_path="/m", tokenizer_path="/t", tp_size=4, mem_fraction_static=0.7, host="10.0.0.2",
+                              port=31000, api_key="k", enable_memory_saver=True, enable_deterministic_inference=True,
+                              extra_args=("--attention-backend", "fa3"),
+                              command=("python3", "-m", "sglang.launch_server"))
     assert server_command(settings) == [
-        "python3", "-m", "sglang.launch_server", "--model-path", "/m", "--tokenizer-path", "/t", "--tp-size", "4", "--host", "10.0.0.2",
+        "python3", "-m", "sglang.launch_server", "--model-path", "/m", "--tokenizer-path", "/t", "--tp-size", "4",
+        "--host", "10.0.0.2",
         "--port", "31000", "--mem-fraction-static", "0.7", "--api-key", "k", "--enable-memory-saver",
         "--enable-deterministic-inference", "--attention-backend", "fa3"]
     router = RouterSettings(port=30100, command=("python3", "-m", "sglang_router.launch_router"))

@@ -90,7 +90,8 @@ def test_abort_goes_to_each_engine_not_the_router(cluster):
     with pytest.raises(SGLangError, match="HTTP 404"):
         request_json(cluster["router"], "/abort_request", {"abort_all": True})
     engines = SGLangClient(cluster["engines"])
-    engine = SGLangEngine(engines, DiskTransport(engines, [EngineTarget(u) for u in cluster["engines"]], "/nonexistent"),
+    engine = SGLangEngine(engines,
+                          DiskTransport(engines, [EngineTarget(u) for u in cluster["engines"]], "/nonexistent"),
                           generate_client=SGLangClient([cluster["router"]]),
                           options=EngineOptions(health_check_interval_s=0))
     threading.Timer(1.0, engine.abort).start()

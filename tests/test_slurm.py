@@ -5,14 +5,14 @@ emulated nodes with fake GPUs and 2 stand-in SGLang servers (a tiny HTTP /health
 checks engine steps, the health wait, the URLs handed to the trainer and that the exit trap stops
 every server. Asserts the job's exit code and that metrics.jsonl has every step.
 
-Needs root and the Slurm packages (scripts/install_test_deps.sh); skips with the reason otherwise.
+Needs root and the Slurm packages (scripts/install_test_deps.sh); skips with the reason otherwise,
+fails under scripts/test.sh (tests/requirements.py).
 The cluster is (re)started with the settings each test needs; if it was not running before this
 module, it is stopped afterwards (scripts/stop_local_slurm.sh, by pid)."""
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_grpo.launch.env import free_port
+from tests.requirements import require_executable, require_root
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM_DIR = os.environ.get("SLURM_LOCAL_DIR", "/tmp/megatron-grpo-slurm")
@@ -30,12 +31,6 @@ STEPS = 2
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
-def _skip_reason() -> str | None:
-    if shutil.which("sbatch") is None or shutil.which("slurmctld") is None:
-        return "Slurm is not installed (bash scripts/install_test_deps.sh installs it)"
-    if os.geteuid() != 0:
-        return "the local Slurm cluster needs root (munged, slurmd)"
-    return None
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -56,9 +51,9 @@ def _cluster_running() -> bool:
 
 @pytest.fixture(scope="module")
 def slurm():
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
+    require_executable("sbatch", "Slurm's sbatch")
+    require_executable("slurmctld", "Slurm's slurmctld")
+    require_root("the local Slurm cluster (munged, slurmd)")
     was_running = os.path.exists(SLURM_CONF) and _cluster_running()
 
     def start(nodes: int, gpus: int = 0, cpus: int | None = None) -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.requirements import require_executable
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_SCRIPTS = {  # script -> (recipe, nodes)
@@ -65,8 +66,7 @@ def test_bash_syntax(path: Path) -> None:
 
 
 def test_shellcheck_clean() -> None:
-    if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck is not installed (scripts/install_test_deps.sh installs it)")
+    require_executable("shellcheck", "shellcheck")
     result = subprocess.run(["shellcheck", "-x", *map(str, SHELL_FILES)], capture_output=True, text=True,
                             cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -122,7 +122,7 @@ def test_dry_run_qwen3_8b_colocated() -> None:
     assert "srun --nodes=1 --ntasks-per-node=8 --ntasks=8" in trainer_launch
     assert "--overlap" in trainer_launch and "--kill-on-bad-exit=1" in trainer_launch
     assert "--gpus-per-task" not in trainer_launch  # every task sees all GPUs (CUDA IPC, P2P)
-    assert sum("--overlap --nodes=1 --ntasks=1 --nodelist=node1" in l["cmd"] for l in plan["launch"]) == 8
+    assert sum("--overlap --nodes=1 --ntasks=1 --nodelist=node1" in launch["cmd"] for launch in plan["launch"]) == 8
     cmd = trainer["cmd"]
     assert "-m megatron_grpo.train qwen3_8b_gsm8k" in cmd
     for i in range(8):

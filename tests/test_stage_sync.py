@@ -63,7 +63,8 @@ def _sync_per_stage(rank, world_size, layout, model_dir, other_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, world_size", [((1, 2), 2), ((2, 2), 4), ((1, 2), 4)], ids=["pp2", "tp2-pp2", "dp2-pp2"])
+@pytest.mark.parametrize("layout, world_size", [((1, 2), 2), ((2, 2), 4), ((1, 2), 4)],
+                         ids=["pp2", "tp2-pp2", "dp2-pp2"])
 def test_each_stage_streams_its_own_layers_into_the_engine_process(tmp_path, layout, world_size):
     from tests.tiny_hf import save_tiny_model
 

@@ -82,7 +82,8 @@ def test_config_validation():
 def test_prompts_are_short(tokenizer):
     records = generate_records(SyntheticTaskConfig(), 100, seed=0)
     kept, stats = encode_prompts(records, tokenizer, max_prompt_length=16, overlong="error")
-    assert stats.kept == 100 and max(len(k.input_ids) for k in kept) == 15  # 3 (user header) + word + space + 5 digits + 5 (end, assistant header)
+    # 3 (user header) + word + space + 5 digits + 5 (end, assistant header)
+    assert stats.kept == 100 and max(len(k.input_ids) for k in kept) == 15
 
 
 def test_reward_is_informative(tokenizer):

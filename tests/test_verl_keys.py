@@ -243,12 +243,14 @@ actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_siz
 actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24576
 actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.001
 actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.entropy_coeff=0
-actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2
+actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2
+actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2
 actor_rollout_ref.rollout.name=sglang actor_rollout_ref.rollout.tensor_model_parallel_size=2
 actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5
 actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=24576
 actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=24576
-actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2 actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2
+actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2
+actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2
 trainer.balance_batch=True trainer.logger='["console","wandb"]' trainer.project_name=verl_grpo_gsm8k_math
 trainer.experiment_name=qwen3_8b_sglang_megatron trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.save_freq=20
 trainer.test_freq=5 trainer.total_epochs=15 model_engine=megatron"""

@@ -121,10 +121,12 @@ class Checker:
         return f"model {info.get('model_path')}, weight_version {info.get('weight_version')}"
 
     def generate(self) -> str:
-        samples = self.client.generate([GenerationRequest(tuple(self.prompts[0]), SamplingParams(n=2, max_new_tokens=16))])
+        samples = self.client.generate([GenerationRequest(tuple(self.prompts[0]),
+                                                          SamplingParams(n=2, max_new_tokens=16))])
         if len(samples) != 2 or any(not s.response_ids for s in samples):
             raise AssertionError(f"expected 2 non-empty samples, got {samples}")
-        return f"2 samples, finish {[s.finish_reason for s in samples]}, lengths {[len(s.response_ids) for s in samples]}"
+        return (f"2 samples, finish {[s.finish_reason for s in samples]}, "
+                f"lengths {[len(s.response_ids) for s in samples]}")
 
     def disk(self) -> str:
         transport = DiskTransport(self.client, [EngineTarget(self.url)], self.args.shared_dir,

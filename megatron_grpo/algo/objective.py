@@ -80,7 +80,8 @@ def compute_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advant
     if tis_weights is not None:
         metrics["actor/tis_weight"] = mean(tis_weights)
     if weights is not None:
-        metrics.update({"off_policy/weight_mean": mean(weights.weights), "off_policy/is_ratio_mean": mean(weights.ratio),
+        metrics.update({"off_policy/weight_mean": mean(weights.weights),
+                        "off_policy/is_ratio_mean": mean(weights.ratio),
                         "off_policy/truncated_frac": mean(weights.truncated),
                         "off_policy/masked_frac": mean(weights.rejected)})
     if config.use_kl_loss:

@@ -167,7 +167,8 @@ def _loggers(value: Any, given: Mapping[str, Any], key: str) -> Translation:
     values = {"logging.console": "console" in names, "logging.wandb": "wandb" in names,
               "logging.tensorboard": "tensorboard" in names}
     other = [n for n in names if n not in ("console", "wandb", "tensorboard")]
-    return Translation(values, f"loggers {other} are not supported (console, wandb, tensorboard are)" if other else None)
+    return Translation(values,
+                       f"loggers {other} are not supported (console, wandb, tensorboard are)" if other else None)
 
 
 def _freq(ours: str) -> Converter:
@@ -511,10 +512,12 @@ TABLE: tuple[VerlKey, ...] = (
     none(f"{ACTOR}.megatron.dist_checkpointing_*", _CKPT_FORMAT),
     none(f"{ACTOR}.megatron.dist_ckpt_optim_fully_reshardable", "checkpoints are always fully reshardable"),
     none(f"{ACTOR}.megatron.distrib_optim_fully_reshardable_mem_efficient", "checkpoints are always fully reshardable"),
-    conv(f"{ACTOR}.megatron.use_remove_padding", ("actor.packing",), "packed (THD) micro-batches; exact either way", _packing),
+    conv(f"{ACTOR}.megatron.use_remove_padding", ("actor.packing",), "packed (THD) micro-batches; exact either way",
+         _packing),
     none(f"{ACTOR}.megatron.use_megatron_fsdp", "not supported"),
     none(f"{ACTOR}.megatron.dynamic_context_parallel", "context parallelism is static (parallel.context)"),
-    none(f"{ACTOR}.megatron.max_seqlen_per_dp_cp_rank", "micro-batches are bounded by actor.max_tokens_per_micro_batch"),
+    none(f"{ACTOR}.megatron.max_seqlen_per_dp_cp_rank",
+         "micro-batches are bounded by actor.max_tokens_per_micro_batch"),
     none(f"{ACTOR}.megatron.pad_*", "sequences are packed, not padded"),
     none(f"{ACTOR}.megatron.forward_only", "verl engine internals"),
     none(f"{ACTOR}.megatron.entropy_*", "the entropy is computed from the vocab-parallel logits, chunked"),
@@ -578,7 +581,8 @@ TABLE: tuple[VerlKey, ...] = (
     none(f"{ROLLOUT}.dtype", "not configurable"),
     none(f"{ROLLOUT}.mode", "generation is asynchronous HTTP (SGLang) or in-process (local)"),
     none(f"{ROLLOUT}.prompt_length", _DERIVED), none(f"{ROLLOUT}.response_length", _DERIVED),
-    none(f"{ROLLOUT}.n_gpus_per_node", _DERIVED), none(f"{ROLLOUT}.nnodes", "SGLang engines: rollout.sglang.num_engines"),
+    none(f"{ROLLOUT}.n_gpus_per_node", _DERIVED),
+    none(f"{ROLLOUT}.nnodes", "SGLang engines: rollout.sglang.num_engines"),
     none(f"{ROLLOUT}.seed", _SEED),
     none(f"{ROLLOUT}.do_sample", "training rollouts always sample (rollout.temperature)"),
     none(f"{ROLLOUT}.ignore_eos", "not supported"),
@@ -588,7 +592,8 @@ TABLE: tuple[VerlKey, ...] = (
                                                       "actor.moe_routing_replay=true"),
     none(f"{ROLLOUT}.pipeline_model_parallel_size", _ENGINE_TUNING),
     none(f"{ROLLOUT}.over_sample_rate", "not supported"),
-    none(f"{ROLLOUT}.quantization", _QAT), none(f"{ROLLOUT}.quantization_config_file", _QAT), none(f"{ROLLOUT}.qat", _QAT),
+    none(f"{ROLLOUT}.quantization", _QAT), none(f"{ROLLOUT}.quantization_config_file", _QAT),
+    none(f"{ROLLOUT}.qat", _QAT),
     none(f"{ROLLOUT}.mtp", _MTP),
     none(f"{ROLLOUT}.multi_turn.*", _NO_MULTITURN), none(f"{ROLLOUT}.agent.*", _NO_MULTITURN),
     none(f"{ROLLOUT}.trace.*", "rollout tracing is not supported: samples are in the metrics"),
@@ -624,7 +629,8 @@ TABLE: tuple[VerlKey, ...] = (
     none("algorithm.filter_groups.max_inflight_gen_batches", "generation rounds run one at a time"),
     none("algorithm.gamma", "discounting is for GAE / REINFORCE++ returns, not implemented here"),
     none("algorithm.lam", "GAE's lambda; GAE is not implemented here"),
-    none("algorithm.use_pf_ppo", "PF-PPO is not implemented here"), none("algorithm.pf_ppo.*", "PF-PPO is not implemented here"),
+    none("algorithm.use_pf_ppo", "PF-PPO is not implemented here"),
+    none("algorithm.pf_ppo.*", "PF-PPO is not implemented here"),
     conv("algorithm.rollout_correction.rollout_is", ("actor.tis_cap",),
          "'token' = truncated IS capped at rollout_is_threshold", _rollout_is),
     conv("algorithm.rollout_correction.rollout_is_threshold", ("actor.tis_cap",), "with rollout_is='token'",

@@ -53,7 +53,8 @@ class StageRole:
     def label(self) -> str:
         return f"stage {self.stage}"
 
-    def export(self, model_chunks: Sequence[torch.nn.Module], cfg: ModelArchitecture) -> Iterator[tuple[str, torch.Tensor]]:
+    def export(self, model_chunks: Sequence[torch.nn.Module],
+               cfg: ModelArchitecture) -> Iterator[tuple[str, torch.Tensor]]:
         return stage_hf_weights(model_chunks, cfg, role=self)
 
 
@@ -66,7 +67,8 @@ class WholeModelRole:
     stage: int = 0  # one turn: all senders at once
     num_stages: int = 1
 
-    def export(self, model_chunks: Sequence[torch.nn.Module], cfg: ModelArchitecture) -> Iterator[tuple[str, torch.Tensor]]:
+    def export(self, model_chunks: Sequence[torch.nn.Module],
+               cfg: ModelArchitecture) -> Iterator[tuple[str, torch.Tensor]]:
         return hf_weights_on_every_rank(model_chunks, cfg)
 
 

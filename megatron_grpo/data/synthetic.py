@@ -1,8 +1,9 @@
 """Synthetic digit tasks for the embedded default: a tiny tokenizer and prompt records (verl layout).
 
 Task "reverse" (default), "copy" or "sort": the prompt is e.g. "reverse 314" and the reference
-answer "413" (one token per digit). The answer digits are copies of prompt digits, so a randomly initialised tiny model can
-learn the task from rewards alone; the reward ("synthetic" in rewards/) gives credit per position.
+answer "413" (one token per digit). The answer digits are copies of prompt digits, so a randomly
+initialised tiny model can learn the task from rewards alone; the reward ("synthetic" in rewards/)
+gives credit per position.
 The tokenizer has one token per digit, word and special token; it round-trips the text exactly.
 """
 from __future__ import annotations

@@ -138,7 +138,8 @@ KNOWN_NOTICES = (
     Notice(r"MimoModelConfig is experimental", None, "0.19 defines the class at import; nothing here uses it"),
     Notice(r"GPTModel IS DEPRECATED", "megatron.core.models.gpt.gpt_model",
            "0.19: GPTModel still builds the same network; the HybridModel move is in docs/architecture.md"),
-    Notice(r"DistributedDataParallel: full_param_layout not provided", "megatron.core.distributed.distributed_data_parallel",
+    Notice(r"DistributedDataParallel: full_param_layout not provided",
+           "megatron.core.distributed.distributed_data_parallel",
            "0.19 then computes the layout itself with DistributedOptimizer.compute_full_param_layout over "
            "the same parameters, bucket size and DP group a caller would pass"),
     Notice(r"MCore's async save is deprecated", "megatron.core.dist_checkpointing.strategies.torch",

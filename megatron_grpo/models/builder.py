@@ -142,7 +142,8 @@ def build_model(model_config: ModelArchitecture, layout: ParallelLayout | None =
 
     bf16 chunks are wrapped in megatron's Float16Module (fp32 logits out), as megatron-LM does."""
     chunks = _build(model_config, layout, dtype, backend, recompute)
-    if model_config.is_moe and chunks[0].config.tensor_model_parallel_size > 1 and not chunks[0].config.sequence_parallel:
+    if (model_config.is_moe and chunks[0].config.tensor_model_parallel_size > 1
+            and not chunks[0].config.sequence_parallel):
         # megatron-core's MoELayer refuses to train so (ValueError at the first forward).
         raise ConfigError("a mixture-of-experts model with parallel.tensor > 1 trains only with "
                           "parallel.sequence_parallel=true (megatron-core's MoE layer requires it)")

@@ -133,7 +133,8 @@ class ModelArchitecture:
                                   f"experts (expert parallelism needs a mixture-of-experts model)")
             return
         if self.num_experts % expert_parallel:
-            raise ConfigError(f"expert parallel size {expert_parallel} does not divide num_experts = {self.num_experts}")
+            raise ConfigError(f"expert parallel size {expert_parallel} does not divide "
+                              f"num_experts = {self.num_experts}")
         if self.moe_ffn_hidden_size % expert_tensor_parallel:
             raise ConfigError(f"expert tensor parallel size {expert_tensor_parallel} does not divide "
                               f"moe_intermediate_size = {self.moe_ffn_hidden_size}")

@@ -105,7 +105,7 @@ def gather_from_context_parallel(tensor: torch.Tensor, seq_dim: int = 1, group=N
         from megatron.core import parallel_state as ps
 
         group = ps.get_context_parallel_group()
-    cp_rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
+    cp_size = dist.get_world_size(group)
     if cp_size == 1:
         return tensor
     moved = tensor.movedim(seq_dim, 0)

@@ -168,7 +168,9 @@ def flatten_ignored(targets: torch.Tensor, ignore_mask: Optional[torch.Tensor], 
     return ignored
 
 
-def outputs_from_stats(stats: TokenStats, ignored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+def outputs_from_stats(stats: TokenStats,
+                       ignored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+                                                       Optional[torch.Tensor]]:
     """(logp, log S + m = lse, entropy, E_p[z]) per token; logp and entropy are 0 where ignored."""
     log_s = stats.sum_exp.log()
     lse = stats.max + log_s

@@ -93,7 +93,8 @@ class RewardRunner:
     # -- pool management -------------------------------------------------------------------------
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._context.Pipe(duplex=True)
-        process = self._context.Process(target=worker_main, args=(child_conn, self._load_spec, self.kwargs, os.getpid()),
+        process = self._context.Process(target=worker_main,
+                                        args=(child_conn, self._load_spec, self.kwargs, os.getpid()),
                                         daemon=True, name="reward-worker")
         process.start()
         child_conn.close()

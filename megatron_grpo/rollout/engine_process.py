@@ -288,7 +288,8 @@ class _EngineServer:
                                                   seed=spec.seed, max_batch_rows=spec.max_batch_rows,
                                                   tokenizer_path=spec.tokenizer_path,
                                                   record_routed_experts=spec.record_routed_experts)
-        shapes = {name: tuple(param.shape) for name, param in self.engine.model.named_parameters(remove_duplicate=False)}
+        shapes = {name: tuple(param.shape)
+                  for name, param in self.engine.model.named_parameters(remove_duplicate=False)}
         self.receiver = WeightReceiver(shapes, authkey, missing=self.engine.parameters_missing_from)
         self.applied: int | None = None  # the receiver version now in the model
         self.send_lock = threading.Lock()
@@ -338,7 +339,8 @@ class _EngineServer:
         applied_s = time.perf_counter() - start
         start = time.perf_counter()
         samples = self.engine.generate(requests)
-        return samples, asdict(GenerateInfo(weight_version=self.engine.weight_version, apply_weights_s=applied_s, generate_s=time.perf_counter() - start))
+        return samples, asdict(GenerateInfo(weight_version=self.engine.weight_version, apply_weights_s=applied_s,
+                                            generate_s=time.perf_counter() - start))
 
 
 def main() -> None:

@@ -12,7 +12,8 @@ import torch
 def sparse_blocks(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     """Layer index -> the layer's MoE block (it has a router `gate` and `experts`)."""
     layers = getattr(getattr(model, "model", None), "layers", None) or []
-    return {i: layer.mlp for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")}
+    return {i: layer.mlp for i, layer in enumerate(layers)
+            if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")}
 
 
 class RoutedExpertsRecorder:

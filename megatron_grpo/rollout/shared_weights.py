@@ -290,7 +290,8 @@ class WeightReceiver:
                 raise WeightStreamError(f"unknown parameter name {name!r} (the engine's model has "
                                         f"{len(self.param_shapes)}, e.g. {sorted(self.param_shapes)[:3]})")
             if tuple(shape) != tuple(expected):
-                raise WeightStreamError(f"{name!r} has shape {tuple(shape)}, the engine's model expects {tuple(expected)}")
+                raise WeightStreamError(f"{name!r} has shape {tuple(shape)}, "
+                                        f"the engine's model expects {tuple(expected)}")
             source = _view(segment, offset, _dtype(dtype_name), shape)
             target = self._back.get(name)
             if target is None or target.dtype != source.dtype:

@@ -178,7 +178,8 @@ def build_run(cfg: Config) -> Run:
     total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * batches_per_epoch(num_prompts,
                                                                                           cfg.data.train_batch_size)
 
-    recompute = Recompute(granularity=None if cfg.model.recompute_granularity == "none" else cfg.model.recompute_granularity,
+    recompute = Recompute(granularity=None if cfg.model.recompute_granularity == "none"
+                          else cfg.model.recompute_granularity,
                           method=cfg.model.recompute_method, num_layers=cfg.model.recompute_num_layers)
     chunks = build_model(model_config, layout, dtype=dtype, recompute=recompute)
     load_hf_weights(chunks, model_config, model_dir)

@@ -6,11 +6,11 @@ import os
 from pathlib import Path
 from typing import Mapping, Sequence
 
-import pytest
 import torch
 
 from megatron_grpo.rollout.sglang.launcher import RouterSettings, ServerSettings, SGLangLauncher
 from megatron_grpo.testing.distributed import free_port
+from tests.requirements import missing
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON = REPO_ROOT / "build" / "sglang-venv" / "bin" / "python"
@@ -25,12 +25,9 @@ HARNESS_FLAGS = ("--dtype", "float32", "--skip-server-warmup")
 
 def sglang_python() -> str:
     """The interpreter with SGLang's code (scripts/setup_sglang_venv.sh). Missing: the test skips,
-    except under scripts/test.sh (MEGATRON_GRPO_REQUIRE_SGLANG=1), where it fails."""
+    except under scripts/test.sh, where it fails (tests/requirements.py)."""
     if not SGLANG_PYTHON.exists():
-        message = f"{SGLANG_PYTHON} is missing: run `bash scripts/setup_sglang_venv.sh`"
-        if os.environ.get("MEGATRON_GRPO_REQUIRE_SGLANG") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+        missing(f"{SGLANG_PYTHON} is missing: run `bash scripts/setup_sglang_venv.sh`")
     return str(SGLANG_PYTHON)
 
 

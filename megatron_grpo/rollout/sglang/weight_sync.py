@@ -128,10 +128,11 @@ class DistributedTransport(WeightTransport):
         stats = SyncStats()
         start = time.perf_counter()
         for bucket in iter_buckets(named_tensors, self.bucket_bytes):
-            payload = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            payload = {"names": [n for n, _ in bucket],
+                       "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                        "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
                        "flush_cache": False, "weight_version": str(version)}
-            futures = self._post_all("/update_weights_from_distributed", lambda i, t: payload)
+            futures = self._post_all("/update_weights_from_distributed", lambda i, t, payload=payload: payload)
             sent = [tensor.detach().to(self.device).contiguous() for _, tensor in bucket]
             works = [dist.broadcast(t, group_src=0, group=self._group, async_op=True) for t in sent]
             self._wait_broadcasts(works, futures)

@@ -202,7 +202,8 @@ def _collate_all(samples, groups: list[list[int]], packing: bool, shape: Paralle
     return micro_batches
 
 
-def split_for_context_parallel_rank(mb: MicroBatch, cp_rank: int | None = None, cp_size: int | None = None) -> MicroBatch:
+def split_for_context_parallel_rank(mb: MicroBatch, cp_rank: int | None = None,
+                                    cp_size: int | None = None) -> MicroBatch:
     """This CP rank's positions of every per-position tensor (megatron's load-balanced chunk
     order; per sequence when packed); row_token_counts keep the full-sequence counts."""
     from megatron_grpo.ops.context_parallel import split_for_context_parallel, split_packed_for_context_parallel

@@ -10,7 +10,8 @@ from megatron_grpo.config.schema import Config
 from megatron_grpo.rollout.engine import RolloutEngine
 
 
-def build_engine(cfg: Config, model_dir: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> RolloutEngine:
+def build_engine(cfg: Config, model_dir: Path, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> RolloutEngine:
     """The local engine serves in the trainer's dtype (bf16 on a GPU), as SGLang would."""
     if cfg.rollout.engine == "local":  # in the trainer's process or its own (trainer/engines/local_engine.py)
         from megatron_grpo.trainer.engines.local_engine import build_local_engine

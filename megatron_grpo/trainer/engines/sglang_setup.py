@@ -40,7 +40,8 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
         urls, router_url = list(s.urls), s.router_url
     else:
         command = tuple(s.launch_command) or (sys.executable, "-m", "sglang.launch_server")
-        servers = [ServerSettings(model_path=str(model_dir), tokenizer_path=cfg.model.tokenizer_path, tp_size=s.tp_size, mem_fraction_static=s.mem_fraction,
+        servers = [ServerSettings(model_path=str(model_dir), tokenizer_path=cfg.model.tokenizer_path, tp_size=s.tp_size,
+                                  mem_fraction_static=s.mem_fraction,
                                   host=s.host, port=s.port + i, api_key=api_key,
                                   enable_memory_saver=s.weight_sync == "tensor",
                                   # colocated: engine i on GPUs i*tp.. (rollout/sglang/colocated.py)

@@ -247,7 +247,8 @@ def _routes(sample: Sample) -> torch.Tensor:
 
 def _seeded(sampling: SamplingParams, step: int, round_index: int, prompt_index: int) -> SamplingParams:
     """A reproducible seed per (step, round, prompt): reruns and resumed runs sample the same."""
-    seed = (0 if sampling.seed is None else sampling.seed) * 1_000_003 + step * 10_007 + round_index * 101 + prompt_index
+    seed = ((0 if sampling.seed is None else sampling.seed) * 1_000_003 + step * 10_007 + round_index * 101
+            + prompt_index)
     return dataclasses.replace(sampling, seed=seed)
 
 

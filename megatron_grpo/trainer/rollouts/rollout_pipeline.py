@@ -133,7 +133,7 @@ class RolloutPipeline:
             needed = self.min_version(step)
             waited = time.perf_counter()
             with self._cond:
-                self._cond.wait_for(lambda: self._stopping or self._published >= needed)
+                self._cond.wait_for(lambda needed=needed: self._stopping or self._published >= needed)
                 if self._stopping:
                     return
             waited = time.perf_counter() - waited

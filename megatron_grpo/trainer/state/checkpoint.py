@@ -233,7 +233,8 @@ class Checkpointer:
         if dist.get_rank() == 0:
             shutil.rmtree(self.root / f".tmp-{step_dir_name(step)}", ignore_errors=True)
         previous = [p.name for _, p in list_checkpoints(self.root)]
-        kept = f"the previous checkpoint {self.root / previous[0]} is intact" if previous else "no earlier checkpoint exists"
+        kept = (f"the previous checkpoint {self.root / previous[0]} is intact" if previous
+                else "no earlier checkpoint exists")
         reason = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             reason = f"disk full ({exc})"
@@ -344,7 +345,8 @@ class Checkpointer:
         if rng is not None:
             set_rng_state(rng)
         step = int(trainer_state["step"])
-        return Restored(path=path, step=step, engine_weight_version=int(trainer_state.get("engine_weight_version", step)))
+        return Restored(path=path, step=step,
+                        engine_weight_version=int(trainer_state.get("engine_weight_version", step)))
 
     def _read_rng(self, path: Path, trainer_state: dict) -> dict | None:
         coords = _rank_coordinates()

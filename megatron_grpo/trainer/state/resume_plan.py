@@ -182,7 +182,8 @@ def _check_optimizer_layout(cfg: Config, candidate: Candidate, layout: dict[str,
     if saved_distributed != cfg.parallel.use_distributed_optimizer:
         raise RunFolderError(
             f"{candidate.path} holds a {'distributed' if saved_distributed else 'non-distributed'} optimizer "
-            f"state; this run has parallel.use_distributed_optimizer={str(cfg.parallel.use_distributed_optimizer).lower()}"
+            "state; this run has "
+            f"parallel.use_distributed_optimizer={str(cfg.parallel.use_distributed_optimizer).lower()}"
             f" (set it back to resume)")
     if saved_format in LAYOUT_RESHARDABLE:
         return
