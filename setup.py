@@ -25,7 +25,7 @@ setup(
         "math-verify>=0.7",
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout", "matplotlib"],
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "ruff", "matplotlib"],
         "gpu": ["transformer-engine[pytorch]"],
         "sglang": ["sglang", "sglang-router"],
         "mpi": ["mpi4py"],

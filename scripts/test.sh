@@ -3,7 +3,8 @@
 # use (slurm, munge, openmpi, shellcheck; root only), TRL for the benchmark test and SGLang's
 # Python code + sglang-router for the SGLang tests (each in a venv layered on .venv), starts a real
 # single-node Slurm on localhost, runs the whole suite (slow tests included), and stops the daemons.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`; MEGATRON_GRPO_TEST_WORKERS
+# sets the number of pytest-xdist workers (3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh dev
@@ -17,4 +18,7 @@ export MEGATRON_GRPO_REQUIRE_TEST_DEPS=1
 export SLURM_LOCAL_OWNER_PID=$$  # the local Slurm stops with this script, even if it is killed
 bash scripts/start_local_slurm.sh || echo "local Slurm not started: the Slurm tests will fail"
 trap 'bash scripts/stop_local_slurm.sh >/dev/null 2>&1 || true' EXIT
-.venv/bin/python -m pytest "$@"
+# Most tests wait on processes they spawned (servers, ranks, launchers): three workers keep the two
+# cores busy. One file per worker (--dist loadfile), so a module's fixtures (servers, references)
+# are built once.
+.venv/bin/python -m pytest -n "${MEGATRON_GRPO_TEST_WORKERS:-3}" --dist loadfile "$@"

@@ -204,13 +204,20 @@ def test_sigkill_at_random_moments_always_resumes_from_newest_complete(tmp_path)
     overrides = [*FAST, f"trainer.total_steps={total_steps}", "checkpoint.save_interval=1", "checkpoint.keep_last=2",
                  f"checkpoint.save_dir={root}", f"logging.output_dir={tmp_path / 'out'}"]
     trials, killed_during_save, resumed_from = 0, 0, []
-    while trials < 10:
+    restored = re.compile(r"checkpoint: (resumed from|no complete checkpoint)")
+    while trials < 6:
         expected = _newest_complete(root)
         log_path = tmp_path / f"trial{trials}.log"
         proc = ctx.Process(target=_crash_trial, args=(str(log_path), overrides))
         started = time.time()
         proc.start()
-        time.sleep(rng.uniform(2.0, 7.0))
+        # The random moment counts from the restore, not from the start: how long startup takes
+        # depends on the machine's load, and a life killed before it restored tests nothing.
+        while not (log_path.exists() and restored.search(log_path.read_text())):
+            assert proc.is_alive(), f"trial {trials}: exited with {proc.exitcode} before restoring"
+            assert time.time() - started < 300, f"trial {trials}: no restore within 300 s"
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 5.0))
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its checkpoint writer processes
         except ProcessLookupError:  # killed before it made its own process group
@@ -220,9 +227,7 @@ def test_sigkill_at_random_moments_always_resumes_from_newest_complete(tmp_path)
         # a save this life had begun and not finished: the next life must not load it
         saving = root.is_dir() and any(p.name.startswith(".tmp-") and p.stat().st_mtime >= started
                                        for p in root.iterdir())
-        text = log_path.read_text() if log_path.exists() else ""
-        if not re.search(r"checkpoint: (resumed from|no complete checkpoint)", text):
-            continue  # killed before the trainer restored (or chose not to restore) a checkpoint: not a trial
+        text = log_path.read_text()
         trials += 1
         killed_during_save += saving
         match = re.search(r"resumed from (\S+) \(step (\d+)\)", text)

@@ -127,18 +127,26 @@ def test_reference_model_only_when_kl_term_is_on(tmp_path):
     assert on["metrics"]["invariant/kl_at_step1"] == 0.0
 
 
+# One update per step: a second update would compare Adam steps, and Adam's first step turns fp32
+# noise on near-zero gradients into full-size updates (sign(g) * lr).
+LAYOUT_COMMON = [*FAST, "trainer.total_steps=2", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01",
+                 "actor.old_logprob_check_interval=1"]
+
+
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory):
+    """The one-process reference every layout is compared with (computed once for the module)."""
+    out = tmp_path_factory.mktemp("single")
+    return run_distributed(_train_in_process, 1, ([*LAYOUT_COMMON, f"logging.output_dir={out}"],), timeout=600)[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [("tensor=2", "pipeline=2"), ("tensor=2", "pipeline=1"),
                                     ("context=2", "tensor=2"), ("context=2",)],
                          ids=["tp2-pp2", "tp2-dp2", "cp2-tp2", "cp2-dp2"])
-def test_parallel_layouts_match_single_process(tmp_path, layout):
-    # One update per step: a second update would compare Adam steps, and Adam's first step turns
-    # fp32 noise on near-zero gradients into full-size updates (sign(g) * lr).
-    common = [*FAST, "trainer.total_steps=2", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01",
-              "actor.old_logprob_check_interval=1"]
-    single = run_distributed(_train_in_process, 1, ([*common, f"logging.output_dir={tmp_path / 'single'}"],),
-                             timeout=600)[0]
-    parallel = run_distributed(_train_in_process, 4, ([*common, f"logging.output_dir={tmp_path / 'parallel'}",
+def test_parallel_layouts_match_single_process(tmp_path, layout, single_process_run):
+    single = single_process_run
+    parallel = run_distributed(_train_in_process, 4, ([*LAYOUT_COMMON, f"logging.output_dir={tmp_path / 'parallel'}",
                                                        *(f"parallel.{x}" for x in layout)],), timeout=900)[0]
     first_single, first_parallel = single[0], parallel[0]
     assert first_single["reward/mean"] == first_parallel["reward/mean"]  # same rollout
@@ -158,27 +166,14 @@ def _reward_rise(records, window=5):
 @pytest.mark.slow
 def test_tiny_recipe_learns(tmp_path):
     """Fixed seed: the default recipe's mean reward rises by a clear margin within 60 steps
-    (measured: ~0.06 -> ~0.45; the full 150-step run reaches > 0.8)."""
+    (measured: ~0.06 -> ~0.45; the full 150-step run reaches > 0.8). The suite's one "it learns"
+    run: the parallel layouts are shown equal to this one process step for step (above), and CI's
+    second lane runs the full embedded default, which must reach 0.7."""
     records = run_distributed(_train_in_process, 1, ([f"logging.output_dir={tmp_path}", "trainer.total_steps=60",
                                                       "logging.console=false", "logging.plot=false",
                                                       "eval.interval=-1"],), timeout=900)[0]
     assert records[0]["reward/mean"] <= 0.3
     assert _reward_rise(records) >= 0.2, [round(r["reward/mean"], 3) for r in records]
-
-
-@pytest.mark.slow
-def test_torchrun_tp2_dp2_learns(tmp_path):
-    """The CLI under torchrun with 4 ranks (TP=2 x DP=2) trains the same recipe and learns."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-                           "-m", "megatron_grpo.train", "tiny_cpu", "parallel.tensor=2", "trainer.total_steps=50",
-                           f"logging.output_dir={tmp_path}", "logging.console=false", "logging.plot=false",
-                           "eval.interval=-1"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = _metrics(tmp_path)
-    assert [r["step"] for r in records] == list(range(1, 51))
-    assert _reward_rise(records) >= 0.15, [round(r["reward/mean"], 3) for r in records]
 
 
 def test_full_activation_recompute_gives_the_same_step(tmp_path):
