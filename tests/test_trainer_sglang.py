@@ -140,6 +140,7 @@ def _server_groups(port: int, count: int) -> list[int]:
     return [groups[p] for p in sorted(groups)]
 
 
+@pytest.mark.timeout(1500)  # each restart is an SGLang start: ~20 s idle, minutes on a loaded machine
 def test_launched_engine_killed_at_random_moments_is_restarted(tmp_path, policy_dir, harness_environment,
                                                                monkeypatch):
     """Kill one of two launched engines (SIGKILL to all its processes) at 2 random moments, each
