@@ -7,8 +7,6 @@ megatron-core 0.19) runs `-m "versions and not slow"` and the embedded default; 
 everything. A new module that calls those libraries belongs in this list."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 VERSION_SENSITIVE = frozenset({
@@ -22,5 +20,5 @@ VERSION_SENSITIVE = frozenset({
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if Path(str(item.fspath)).stem in VERSION_SENSITIVE:
+        if item.path.stem in VERSION_SENSITIVE:
             item.add_marker(pytest.mark.versions)

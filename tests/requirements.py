@@ -35,6 +35,13 @@ def require_root(what: str) -> None:
         missing(f"{what} needs root")
 
 
+def require_local_slurm() -> None:
+    """What scripts/start_local_slurm.sh needs: Slurm's daemons and client, and root (munged, slurmd)."""
+    require_executable("slurmctld", "Slurm's slurmctld")
+    require_executable("sbatch", "Slurm's sbatch")
+    require_root("the local Slurm cluster (munged, slurmd)")
+
+
 def require_module(name: str, install: str) -> None:
     """Imports `name` or calls missing() with how to install it."""
     try:

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.requirements import require_executable, require_root
+from tests.requirements import require_local_slurm
 
 from megatron_grpo.launch.env import free_port
 
@@ -34,9 +34,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_cluster_stops_when_its_owner_is_killed(tmp_path):
-    require_executable("slurmctld", "Slurm's slurmctld")
-    require_executable("sbatch", "Slurm's sbatch")
-    require_root("the local Slurm cluster (munged, slurmd)")
+    require_local_slurm()
     folder = Path("/tmp") / f"megatron-grpo-slurm-owner-test-{os.getpid()}"  # short: daemons' socket paths
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
     env.update(SLURM_LOCAL_DIR=str(folder), SLURM_LOCAL_CTLD_PORT=str(free_port()),

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_grpo.launch.env import free_port
-from tests.requirements import require_executable, require_root
+from tests.requirements import require_local_slurm
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM_DIR = os.environ.get("SLURM_LOCAL_DIR", "/tmp/megatron-grpo-slurm")
@@ -51,9 +51,7 @@ def _cluster_running() -> bool:
 
 @pytest.fixture(scope="module")
 def slurm():
-    require_executable("sbatch", "Slurm's sbatch")
-    require_executable("slurmctld", "Slurm's slurmctld")
-    require_root("the local Slurm cluster (munged, slurmd)")
+    require_local_slurm()
     was_running = os.path.exists(SLURM_CONF) and _cluster_running()
 
     def start(nodes: int, gpus: int = 0, cpus: int | None = None) -> None:
