@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from megatron_grpo.testing.distributed import run_distributed
-from megatron_grpo.trainer.batches.batching import (PER_TOKEN_NAMES, TrainSample, collate, collate_packed,
-                                            pack_into_micro_batches)
-from megatron_grpo.trainer.batches.micro_batches import (MicroBatching, ParallelShape, plan,
+from megatron_grpo.trainer.batches.batching import PER_TOKEN_NAMES, TrainSample, collate, collate_packed
+from megatron_grpo.trainer.batches.micro_batches import (MicroBatching, ParallelShape, pack_into_micro_batches, plan,
                                                          split_for_context_parallel_rank)
 
 FP32_EPS = float(torch.finfo(torch.float32).eps)

@@ -5,9 +5,10 @@ import random
 import pytest
 import torch
 
-from megatron_grpo.trainer.batches.batching import TrainSample, balance_into_micro_batches, collate
+from megatron_grpo.trainer.batches.batching import TrainSample, collate
 from megatron_grpo.trainer.evaluation.evaluate import pass_at_k
-from megatron_grpo.trainer.batches.micro_batches import pad_to_common_shape, split_over_ranks
+from megatron_grpo.trainer.batches.micro_batches import (balance_into_micro_batches, pad_to_common_shape,
+                                                         split_over_ranks)
 
 
 def _sample(prompt_len, response_len, advantage=0.5, offset=0):

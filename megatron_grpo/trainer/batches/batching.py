@@ -178,59 +178,6 @@ def _routes(rows: list[TrainSample], shape: tuple[int, int], starts: list[int]) 
     return out
 
 
-def balance_into_micro_batches(lengths: list[int], max_tokens: int, min_micro_batches: int = 1) -> list[list[int]]:
-    """Padded layout: partitions sample indices into micro-batches whose padded size (rows x
-    longest row) stays within `max_tokens`, greedily in order of decreasing length so that similar
-    lengths share a micro-batch (little padding). A single sequence longer than max_tokens gets its
-    own micro-batch. At least `min_micro_batches` bins are made when there are enough samples.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
-    for index in order:
-        placed = False
-        for members in bins:
-            longest = max(lengths[m] for m in members + [index])
-            if longest * (len(members) + 1) <= max_tokens:
-                members.append(index)
-                placed = True
-                break
-        if not placed:
-            bins.append([index])
-    # Split the largest bins until there are enough (each split keeps the token budget).
-    while len(bins) < min_micro_batches:
-        largest = max(range(len(bins)), key=lambda b: len(bins[b]))
-        if len(bins[largest]) < 2:
-            break
-        members = bins.pop(largest)
-        bins.extend([members[: len(members) // 2], members[len(members) // 2:]])
-    return [sorted(members) for members in bins]
-
-
-def pack_into_micro_batches(tokens: list[int], costs: list[float], max_tokens: int,
-                            min_micro_batches: int = 1) -> list[list[int]]:
-    """Packed layout: partitions item indices into micro-batches of at most `max_tokens` tokens
-    each (sum of `tokens`; an item larger than the budget gets a micro-batch of its own) with
-    balanced `costs`: as few micro-batches as the budget allows (at least `min_micro_batches`; empty
-    ones when there are fewer items), filled largest cost first into the cheapest one it fits.
-    """
-    count = max(min_micro_batches, -(-sum(tokens) // max_tokens), 1)
-    order = sorted(range(len(tokens)), key=lambda i: (-costs[i], -tokens[i], i))
-    while True:
-        bins: list[list[int]] = [[] for _ in range(count)]
-        loads, sizes = [0.0] * count, [0] * count
-        for index in order:
-            fits = [b for b in range(count) if sizes[b] + tokens[index] <= max_tokens or not bins[b]]
-            if not fits:
-                break
-            target = min(fits, key=lambda b: (loads[b], sizes[b], b))
-            bins[target].append(index)
-            loads[target] += costs[index]
-            sizes[target] += tokens[index]
-        else:
-            return [sorted(members) for members in bins]
-        count += 1
-
-
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 

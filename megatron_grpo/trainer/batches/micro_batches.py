@@ -10,7 +10,7 @@ Planning (verl's use_dynamic_bsz / ppo_max_token_len_per_gpu, for packed micro-b
      linear layers (attention_cost_weight). The split does not depend on the pass, so the
      old / reference log-prob passes and the update see the same share on every rank;
   2. each share is packed into as few micro-batches of at most `max_tokens` tokens as fit
-     (batching.pack_into_micro_batches: equal costs), or fixed `micro_batch_size` sequences;
+     (pack_into_micro_batches: equal costs), or fixed `micro_batch_size` sequences;
   3. with pipeline parallelism every DP rank runs the same number of micro-batches (the largest
      any rank needs), all of one shape within the mini-batch (p2p buffers have a fixed shape);
      with expert parallelism too (every rank of an EP group, which spans DP ranks, joins each
@@ -19,7 +19,7 @@ Planning (verl's use_dynamic_bsz / ppo_max_token_len_per_gpu, for packed micro-b
      parallelism, a total divisible by TP (x CP) under sequence parallelism, the common pipeline
      shape; `padding_metrics` counts it.
 The padded layout (`actor.packing: false`) pads every row to the micro-batch's longest, with
-micro-batches of rows x longest <= max_tokens (batching.balance_into_micro_batches).
+micro-batches of rows x longest <= max_tokens (balance_into_micro_batches).
 """
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ from typing import Literal
 import torch
 
 from megatron_grpo.config.schema import Config
-from megatron_grpo.trainer.batches.batching import (MicroBatch, TrainSample, balance_into_micro_batches, collate,
-                                            collate_packed, pack_into_micro_batches)
+from megatron_grpo.trainer.batches.batching import MicroBatch, TrainSample, collate, collate_packed
 
 Purpose = Literal["train", "old_logprobs", "ref_logprobs"]
 
@@ -117,6 +116,59 @@ def attention_cost_weight(model_config) -> float:
 
 def sequence_costs(samples: list[TrainSample], attention_weight: float) -> list[float]:
     return [s.length + attention_weight * s.length ** 2 for s in samples]
+
+
+def balance_into_micro_batches(lengths: list[int], max_tokens: int, min_micro_batches: int = 1) -> list[list[int]]:
+    """Padded layout: partitions sample indices into micro-batches whose padded size (rows x
+    longest row) stays within `max_tokens`, greedily in order of decreasing length so that similar
+    lengths share a micro-batch (little padding). A single sequence longer than max_tokens gets its
+    own micro-batch. At least `min_micro_batches` bins are made when there are enough samples.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    for index in order:
+        placed = False
+        for members in bins:
+            longest = max(lengths[m] for m in members + [index])
+            if longest * (len(members) + 1) <= max_tokens:
+                members.append(index)
+                placed = True
+                break
+        if not placed:
+            bins.append([index])
+    # Split the largest bins until there are enough (each split keeps the token budget).
+    while len(bins) < min_micro_batches:
+        largest = max(range(len(bins)), key=lambda b: len(bins[b]))
+        if len(bins[largest]) < 2:
+            break
+        members = bins.pop(largest)
+        bins.extend([members[: len(members) // 2], members[len(members) // 2:]])
+    return [sorted(members) for members in bins]
+
+
+def pack_into_micro_batches(tokens: list[int], costs: list[float], max_tokens: int,
+                            min_micro_batches: int = 1) -> list[list[int]]:
+    """Packed layout: partitions item indices into micro-batches of at most `max_tokens` tokens
+    each (sum of `tokens`; an item larger than the budget gets a micro-batch of its own) with
+    balanced `costs`: as few micro-batches as the budget allows (at least `min_micro_batches`; empty
+    ones when there are fewer items), filled largest cost first into the cheapest one it fits.
+    """
+    count = max(min_micro_batches, -(-sum(tokens) // max_tokens), 1)
+    order = sorted(range(len(tokens)), key=lambda i: (-costs[i], -tokens[i], i))
+    while True:
+        bins: list[list[int]] = [[] for _ in range(count)]
+        loads, sizes = [0.0] * count, [0] * count
+        for index in order:
+            fits = [b for b in range(count) if sizes[b] + tokens[index] <= max_tokens or not bins[b]]
+            if not fits:
+                break
+            target = min(fits, key=lambda b: (loads[b], sizes[b], b))
+            bins[target].append(index)
+            loads[target] += costs[index]
+            sizes[target] += tokens[index]
+        else:
+            return [sorted(members) for members in bins]
+        count += 1
 
 
 def split_over_ranks(costs: list[float], indices: list[int], num_ranks: int) -> list[list[int]]:
