@@ -274,6 +274,12 @@ def test_override_errors():
     assert error_of(load_config, None, ["rollout.n.x=1"]) == (
         "'rollout.n' is a single value, not a section: cannot set 'rollout.n.x' (override 'rollout.n.x=1')")
     assert error_of(load_config, None, ["actor.optim.betas=[0.9"]).startswith("value is not valid YAML: ")
+    # an unset shell variable (`trainer.total_steps=$STEPS`) would otherwise mean "no limit"
+    assert error_of(load_config, None, ["trainer.total_steps="]) == (
+        "override 'trainer.total_steps=' has no value (an unset shell variable?): write trainer.total_steps=null "
+        "for none, trainer.total_steps=[] for an empty list, trainer.total_steps='' for an empty string")
+    assert error_of(load_config, None, ["data.val_files= "]).startswith("override 'data.val_files= ' has no value")
+    assert load_config(None, ["logging.experiment_name=''"]).logging.experiment_name == ""
 
 
 # ---------------------------------------------------------------- round trip

@@ -175,3 +175,47 @@ def test_sampler_rejects_mismatched_state_and_bad_settings():
         PromptSampler(list(range(3)), batch_size=4, seed=0)
     with pytest.raises(ConfigError, match="batch_size"):
         PromptSampler(list(range(3)), batch_size=0, seed=0)
+
+
+def test_a_latin1_byte_names_the_file_line_and_byte(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps(_row(0)).encode()
+    bad = json.dumps(_row(1, content="caf\u00e9"), ensure_ascii=False).encode("latin-1")
+    path.write_bytes(good + b"\n" + bad + b"\n")
+    with pytest.raises(DataError) as info:
+        load_records(path)
+    column = bad.index(b"\xe9") + 1
+    assert str(info.value) == (f"{path}:2: not UTF-8 (byte 0xe9 at byte {column} of the line); JSON Lines files "
+                               "are UTF-8: re-encode the file (e.g. iconv -f latin1 -t utf-8)")
+
+
+@pytest.mark.parametrize("answer", [["18"], {"value": "18"}, True])
+def test_a_non_scalar_ground_truth_is_refused_for_the_built_in_scorers(tmp_path, answer):
+    """Our gsm8k scorer (as verl's) compares the answer with str(ground_truth): ["18"] would score
+    every correct response 0. A user function gets the value as the file has it."""
+    from megatron_grpo.rewards.gsm8k import reward
+
+    assert reward("", "#### 18", ["18"]) == 0.0 and reward("", "#### 18", 18) == 1.0  # why it is refused
+    line = json.dumps({**_row(0), "reward_model": {"style": "rule", "ground_truth": answer}})
+    path = _write_lines(tmp_path / "d.jsonl", [json.dumps(_row(1)), line])
+    with pytest.raises(DataError) as info:
+        load_records(path, scalar_ground_truth_for="gsm8k")
+    assert str(info.value).startswith(f"{path}:2: reward_model.ground_truth is {json.dumps(answer)} "
+                                      f"({type(answer).__name__}); the gsm8k scorer compares one answer")
+    assert load_records(path)[1].ground_truth == answer  # no scorer named: kept for the user's function
+    assert [r.ground_truth for r in load_records(_write_lines(tmp_path / "n.jsonl", [
+        json.dumps({**_row(0), "reward_model": {"style": "rule", "ground_truth": 18}})]), "gsm8k")] == [18]
+
+
+def test_the_trainer_checks_ground_truths_for_its_built_in_scorer(tmp_path, tokenizer):
+    from megatron_grpo.config import load_config
+    from megatron_grpo.trainer.assembly.prompt_data import load_prompts
+
+    line = json.dumps({**_row(0), "reward_model": {"style": "rule", "ground_truth": ["18"]}})
+    path = _write_lines(tmp_path / "d.jsonl", [line])
+    overrides = [f"data.train_files=[{path}]", "data.task=null", "data.val_files=[]"]
+    with pytest.raises(DataError, match=r"d\.jsonl:1: reward_model\.ground_truth is \[\"18\"\]"):
+        load_prompts(load_config("tiny_cpu", [*overrides, "reward.function=math"]), tokenizer)
+    user_function = f"reward.function={REPO}/tests/data/user_rewards.py:length_match"
+    train, _ = load_prompts(load_config("tiny_cpu", [*overrides, user_function]), tokenizer)
+    assert len(train) == 1

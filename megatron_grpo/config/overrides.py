@@ -6,6 +6,7 @@ Value syntax, by field type:
 - int, float, bool, mappings: a YAML scalar / flow value (`true`, `3`, `1e-6`, `{a: 1}`).
 - lists: YAML flow syntax `[1,2]` / `["a","b"]`, or comma-separated `a,b`; `[]` is empty.
 - any Optional field: `null` (or `~`) sets None.
+- an empty value (`key=`) is refused: it is usually an unset shell variable.
 A section given as a mapping (`actor.optim={lr: 1e-5}`) merges into what the recipe set; a
 free-form mapping field (`model.override_config={...}`) is replaced whole.
 """
@@ -28,6 +29,10 @@ def split_override(text: str) -> tuple[str, str]:
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{text}' is not of the form key=value (e.g. actor.optim.lr=1e-6)")
+    if not value.strip():
+        # `trainer.total_steps=$STEPS` with STEPS unset would otherwise mean "no limit" (None).
+        raise ConfigError(f"override '{text}' has no value (an unset shell variable?): write {key}=null for "
+                          f"none, {key}=[] for an empty list, {key}='' for an empty string")
     return key, value
 
 

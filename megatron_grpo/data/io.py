@@ -17,39 +17,62 @@ def _format(path: Path) -> str:
     return "parquet" if path.suffix == ".parquet" else "jsonl"
 
 
-def load_records(path: str | Path) -> list[PromptRecord]:
+def load_records(path: str | Path, scalar_ground_truth_for: str | None = None) -> list[PromptRecord]:
     """Every record of a jsonl (one JSON object per line, blank lines skipped) or parquet file.
-    A bad line raises DataError naming "file:line" (parquet: "file:row N", 1-based)."""
+    A bad line raises DataError naming "file:line" (parquet: "file:row N", 1-based).
+    `scalar_ground_truth_for` names a scorer that compares one answer (the built-in gsm8k / math):
+    a list or object ground truth is then refused (it would score every response 0)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: dataset file does not exist")
     if _format(path) == "parquet":
-        return _load_parquet(path)
-    records = []
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{line_number}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-            records.append(parse_record(obj, f"{path}:{line_number}"))
+        records = _load_parquet(path, scalar_ground_truth_for)
+    else:
+        records = [_record(line, f"{path}:{number}", scalar_ground_truth_for)
+                   for number, line in enumerate(_utf8_lines(path), start=1) if line.strip()]
     if not records:
         raise DataError(f"{path}: dataset has no records")
     return records
 
 
-def _load_parquet(path: Path) -> list[PromptRecord]:
+def _utf8_lines(path: Path) -> Iterable[str]:
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}:{number}: not UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} "
+                                "of the line); JSON Lines files are UTF-8: re-encode the file "
+                                "(e.g. iconv -f latin1 -t utf-8)") from None
+
+
+def _record(line: str, where: str, scalar_ground_truth_for: str | None) -> PromptRecord:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+    return _checked(parse_record(obj, where), where, scalar_ground_truth_for)
+
+
+def _checked(record: PromptRecord, where: str, scalar_ground_truth_for: str | None) -> PromptRecord:
+    answer = record.ground_truth
+    if scalar_ground_truth_for and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
+        raise DataError(f"{where}: reward_model.ground_truth is {json.dumps(answer)[:60]} "
+                        f"({type(answer).__name__}); the {scalar_ground_truth_for} scorer compares one answer, "
+                        "a string or number: write the answer itself, or set reward.function to a function "
+                        "of yours that reads this form")
+    return record
+
+
+def _load_parquet(path: Path, scalar_ground_truth_for: str | None) -> list[PromptRecord]:
     import pyarrow.parquet as pq
 
     try:
         rows = pq.read_table(path).to_pylist()
     except Exception as exc:  # pyarrow raises several types for a corrupt file
         raise DataError(f"{path}: cannot read parquet: {exc}") from None
-    if not rows:
-        raise DataError(f"{path}: dataset has no records")
-    return [parse_record(row, f"{path}:row {i}") for i, row in enumerate(rows, start=1)]
+    return [_checked(parse_record(row, f"{path}:row {i}"), f"{path}:row {i}", scalar_ground_truth_for)
+            for i, row in enumerate(rows, start=1)]
 
 
 def write_records(records: Iterable[PromptRecord], path: str | Path) -> Path:

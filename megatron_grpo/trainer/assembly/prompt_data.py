@@ -11,6 +11,8 @@ from megatron_grpo.errors import ConfigError
 SYNTHETIC_TRAIN_RECORDS, SYNTHETIC_EVAL_RECORDS = 4096, 128
 # data.truncation -> data.prompts.encode_prompts' policy for over-long prompts
 OVERLONG = {"error": "error", "left": "truncate_left", "right": "truncate_right", "filter": "filter"}
+# Built-in reward functions that compare one answer (a list or object ground truth would score 0).
+SCALAR_ANSWER_SCORERS = frozenset({"gsm8k", "math", "by_data_source"})
 
 
 def load_prompts(cfg: Config, tokenizer) -> tuple[list[EncodedPrompt], list[EncodedPrompt] | None]:
@@ -28,8 +30,9 @@ def load_prompts(cfg: Config, tokenizer) -> tuple[list[EncodedPrompt], list[Enco
         train_records = generate_records(task, count=SYNTHETIC_TRAIN_RECORDS, seed=cfg.trainer.seed, split="train")
         eval_records = generate_records(task, count=SYNTHETIC_EVAL_RECORDS, seed=cfg.trainer.seed + 1, split="test")
     else:
-        train_records = [r for path in cfg.data.train_files for r in load_records(path)]
-        eval_records = [r for path in cfg.data.val_files for r in load_records(path)] or None
+        scorer = cfg.reward.function if cfg.reward.function in SCALAR_ANSWER_SCORERS else None
+        train_records = [r for path in cfg.data.train_files for r in load_records(path, scorer)]
+        eval_records = [r for path in cfg.data.val_files for r in load_records(path, scorer)] or None
     overlong = OVERLONG[cfg.data.truncation]
     train, _ = encode_prompts(train_records, tokenizer, cfg.data.max_prompt_length, overlong,
                               cfg.data.chat_template, source="train")
