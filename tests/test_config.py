@@ -118,8 +118,8 @@ def test_unknown_key_without_close_match_has_no_suggestion(tmp_path):
     ("trainer:\n  seed: true\n", "trainer.seed: expected int, got True (bool) ({p}:2)"),
     ("data:\n  truncation: middle\n",
      "data.truncation: expected one of 'error', 'left', 'right', 'filter', got 'middle' (str) ({p}:2)"),
-    ("data:\n  train_files: a.jsonl\n",
-     "data.train_files: expected a list of str, got 'a.jsonl' (str) ({p}:2)"),
+    ("data:\n  train_files: 3\n", "data.train_files: expected a list of str, got 3 (int) ({p}:2)"),
+    ("rollout:\n  stop: </s>\n", "rollout.stop: expected a list of str, got '</s>' (str) ({p}:2)"),
     ("rollout:\n  stop_token_ids: [1, x]\n",
      "rollout.stop_token_ids[1]: expected int, got 'x' (str) ({p}:2)"),
     ("actor:\n  optim: 3\n", "actor.optim: expected a mapping (section), got 3 (int) ({p}:2)"),
@@ -244,6 +244,17 @@ def test_list_overrides():
     assert c.actor.optim.betas == [0.9, 0.95]
     assert c.data.val_files == []
     assert c.rollout.sglang.extra_args == ["--foo", "3"]
+
+
+def test_data_files_take_one_path_or_a_list(tmp_path):
+    """verl's data.train_files is a path or a list of paths; so are ours, in a recipe and an override."""
+    recipe = write(tmp_path, "r.yaml", "data:\n  train_files: a.parquet\n  val_files: [b.jsonl, c.jsonl]\n")
+    c = load_config(recipe, [])
+    assert (c.data.train_files, c.data.val_files) == (["a.parquet"], ["b.jsonl", "c.jsonl"])
+    assert load_config(recipe, ["data.val_files=d.jsonl"]).data.val_files == ["d.jsonl"]
+    # other list fields stay strict: one string is not silently a list there
+    assert error_of(load_config, write(tmp_path, "s.yaml", "rollout:\n  stop_token_ids: 5\n"), []).startswith(
+        "rollout.stop_token_ids: expected a list of int, got 5")
 
 
 def test_section_override_merges_and_later_override_wins(tmp_path):

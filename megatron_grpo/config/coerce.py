@@ -27,6 +27,11 @@ def locate(sources: Sources, key: str) -> str:
     return ""
 
 
+# dataclasses.field metadata: a list field that also takes one string as a one-item list (verl's
+# data.train_files: `train_files: a.parquet` or a list).
+ONE_OR_MORE = "one_or_more"
+
+
 def field_types(cls: type) -> dict[str, Any]:
     """Resolved annotations of a dataclass's fields, in declaration order."""
     hints = get_type_hints(cls)
@@ -113,11 +118,14 @@ def build(cls: type, data: Any, key: str, sources: Sources, root: type) -> Any:
     if not isinstance(data, Mapping):
         raise type_error(key or "<recipe>", cls, data, sources)
     hints = field_types(cls)
+    one_or_more = {f.name for f in dataclasses.fields(cls) if f.metadata.get(ONE_OR_MORE)}
     kwargs = {}
     for name, value in data.items():
         full = f"{key}.{name}" if key else str(name)
         if name not in hints:
             raise unknown_key_error(full, cls, root, locate(sources, full))
+        if name in one_or_more and isinstance(value, str):
+            value = [value]
         kwargs[name] = coerce(value, hints[name], full, sources, root)
     return cls(**kwargs)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from megatron_grpo.config.coerce import ONE_OR_MORE
 from megatron_grpo.config.off_policy import OffPolicyConfig
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -61,8 +62,8 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     # jsonl / parquet files in verl's column layout
-    train_files: list[str] = field(default_factory=list)
-    val_files: list[str] = field(default_factory=list)
+    train_files: list[str] = field(default_factory=list, metadata={ONE_OR_MORE: True})  # or one path
+    val_files: list[str] = field(default_factory=list, metadata={ONE_OR_MORE: True})
     prompt_key: str = "prompt"
     max_prompt_length: int = 512
     max_response_length: int = 512
