@@ -153,17 +153,19 @@ def _config_show(args: argparse.Namespace) -> int:
 
 
 def _config_keys(args: argparse.Namespace) -> int:
-    from megatron_grpo.config.coerce import describe, field_types
+    from megatron_grpo.config.coerce import ONE_OR_MORE, describe, field_types
     from megatron_grpo.config.schema import Config
 
     def walk(cls: type, prefix: str) -> None:
         defaults = cls()
+        one_or_more = {f.name for f in dataclasses.fields(cls) if f.metadata.get(ONE_OR_MORE)}
         for name, tp in field_types(cls).items():
             value = getattr(defaults, name)
             if dataclasses.is_dataclass(tp):
                 walk(tp, f"{prefix}{name}.")
             else:
-                print(f"{prefix}{name}\t{describe(tp)}\t{json.dumps(value)}")
+                kind = f"a str or {describe(tp)}" if name in one_or_more else describe(tp)
+                print(f"{prefix}{name}\t{kind}\t{json.dumps(value)}")
 
     walk(Config, "")
     return 0

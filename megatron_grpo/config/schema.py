@@ -62,7 +62,7 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     # jsonl / parquet files in verl's column layout
-    train_files: list[str] = field(default_factory=list, metadata={ONE_OR_MORE: True})  # or one path
+    train_files: list[str] = field(default_factory=list, metadata={ONE_OR_MORE: True})
     val_files: list[str] = field(default_factory=list, metadata={ONE_OR_MORE: True})
     prompt_key: str = "prompt"
     max_prompt_length: int = 512
