@@ -79,6 +79,7 @@ def test_load_builtin_module_and_file_specs(tmp_path):
 @pytest.mark.parametrize("spec, kwargs, message", [
     ("nonsense", {}, "expected a built-in name"),
     ("no_such_module_xyz:Env", {}, "cannot import module 'no_such_module_xyz'"),
+    ("tests.data.user_rewards:Env", {}, "no Environment subclass named 'Env'"),
     ("tests.test_environments:Missing", {}, "no Environment subclass named 'Missing'"),
     ("tests.test_environments:record", {}, "no Environment subclass named 'record'"),
     ("/no/such/file.py:Env", {}, "does not exist"),

@@ -49,6 +49,22 @@ def test_data_error_exits_2_before_any_model_is_built(tmp_path):
     assert "Setting up optimizer" not in proc.stderr  # no megatron model / optimizer was built
 
 
+def test_environment_error_exits_2_before_any_model_is_built(tmp_path):
+    """A multi-turn environment that cannot load (here: a SyntaxError in its module) is a config
+    error found at setup, not at the first rollout (where it exited 1 after the model was built)."""
+    (tmp_path / "broken_env.py").write_text("def oops(:\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_grpo.train", "tiny_cpu_tool", "rollout.multi_turn.environment=broken_env:Env",
+         "eval.interval=-1", f"logging.output_dir={tmp_path / 'out'}", *FAST],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)])))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("error: rollout.multi_turn.environment='broken_env:Env': cannot import module 'broken_env': "
+            "SyntaxError: invalid syntax") in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert "Setting up optimizer" not in proc.stderr  # no megatron model / optimizer was built
+
+
 # ----------------------------------------------------------------------------- NaN / Inf updates
 
 

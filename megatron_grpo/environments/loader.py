@@ -32,22 +32,28 @@ def load_environment_class(spec: str) -> type[Environment]:
     return cls
 
 
-def build_environment(spec: str, kwargs: dict) -> Environment:
-    """One environment instance (one per trajectory); a constructor that rejects `kwargs` is a ConfigError."""
+def check_environment(spec: str, kwargs: dict) -> type[Environment]:
+    """The class `spec` names, whose constructor takes `kwargs`; one ConfigError otherwise. The
+    trainer calls it before any model is built (a typo must not cost a model load)."""
     cls = load_environment_class(spec)
     try:
         inspect.signature(cls).bind(**kwargs)
     except TypeError as exc:
         raise ConfigError(f"rollout.multi_turn.environment_kwargs {sorted(kwargs)} do not fit {cls.__name__}: "
                           f"{exc}") from exc
-    return cls(**kwargs)
+    return cls
+
+
+def build_environment(spec: str, kwargs: dict) -> Environment:
+    """One environment instance (one per trajectory)."""
+    return check_environment(spec, kwargs)(**kwargs)
 
 
 def _import(spec: str, target: str):
     try:
         return importlib.import_module(target)
-    except ImportError as exc:
-        raise ConfigError(f"{KEY}={spec!r}: cannot import module {target!r}: {exc}") from exc
+    except Exception as exc:  # ImportError, or the module's own error (a SyntaxError, ...) at import
+        raise ConfigError(f"{KEY}={spec!r}: cannot import module {target!r}: {type(exc).__name__}: {exc}") from exc
 
 
 def _load_file(spec: str, path: Path):

@@ -172,6 +172,8 @@ def build_run(cfg: Config) -> Run:
     check_moe_keys(cfg, model_config)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_dir)
     prompts = rank0_only(load_prompts, cfg, tokenizer)  # data errors stop every rank before any model is built
+    if cfg.rollout.multi_turn.environment:
+        on_rank0(check_multi_turn_environment, cfg)
     record = run_record(cfg, model_config)
     resume_plan = on_rank0(check_resume, cfg, candidates, record, prompts)
     num_prompts = int(broadcast_from_rank0(len(prompts[0]) if prompts is not None else None))
@@ -208,6 +210,13 @@ def build_run(cfg: Config) -> Run:
                optimizer=NonFiniteUpdateGuard(optimizer, limit=cfg.trainer.max_consecutive_nan_steps),
                scheduler=scheduler, reference=reference, tokenizer=tokenizer, total_steps=total_steps,
                record=record, resume_plan=resume_plan, rank0=rank0, stage_sync=connect_stage_sync(cfg, rank0))
+
+
+def check_multi_turn_environment(cfg: Config) -> None:
+    """rollout.multi_turn.environment loads and takes environment_kwargs (ConfigError otherwise)."""
+    from megatron_grpo.environments.loader import check_environment
+
+    check_environment(cfg.rollout.multi_turn.environment, cfg.rollout.multi_turn.environment_kwargs)
 
 
 def check_moe_keys(cfg: Config, model_config) -> None:
