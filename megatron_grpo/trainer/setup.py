@@ -168,7 +168,7 @@ def build_run(cfg: Config) -> Run:
     model_dir = prepare_model_folder(cfg, output_dir)
     model_config = ModelArchitecture.from_hf(model_dir, tensor_parallel=layout.tensor,
                                        vocab_multiple=cfg.model.make_vocab_size_divisible_by)
-    check_context_length(cfg, model_config, model_dir)
+    check_context_length(cfg, model_config.max_position_embeddings, f"max_position_embeddings in {model_dir}")
     check_moe_keys(cfg, model_config)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_dir)
     prompts = rank0_only(load_prompts, cfg, tokenizer)  # data errors stop every rank before any model is built

@@ -32,8 +32,23 @@ def ensure_initial_model(cfg: Config, target: Path) -> None:
     _write_initial_model(cfg, target, wanted)
 
 
+def initial_hf_config(cfg: Config):
+    """The HF config a model built from scratch gets (model.config_path + model.override_config);
+    cheap: no weights, so the settings it decides can be checked before the model is written."""
+    from transformers import AutoConfig
+
+    overrides = dict(cfg.model.override_config)
+    if cfg.model.config_path:
+        return AutoConfig.from_pretrained(cfg.model.config_path, **overrides)
+    model_type = overrides.pop("model_type", None)
+    if model_type is None:
+        raise ConfigError("model.override_config.model_type is required when neither model.path nor "
+                          "model.config_path is set")
+    return AutoConfig.for_model(model_type, **overrides)
+
+
 def _write_initial_model(cfg: Config, target: Path, record: dict) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_grpo.trainer.state.run_folder import INIT_RECORD
 
@@ -47,15 +62,7 @@ def _write_initial_model(cfg: Config, target: Path, record: dict) -> None:
     else:
         raise ConfigError("model.path is not set: set model.path (an HF folder), or model.tokenizer_path / "
                           "data.task to initialise a model from model.config_path / model.override_config")
-    overrides = dict(cfg.model.override_config)
-    if cfg.model.config_path:
-        hf_config = AutoConfig.from_pretrained(cfg.model.config_path, **overrides)
-    else:
-        model_type = overrides.pop("model_type", None)
-        if model_type is None:
-            raise ConfigError("model.override_config.model_type is required when neither model.path nor "
-                              "model.config_path is set")
-        hf_config = AutoConfig.for_model(model_type, **overrides)
+    hf_config = initial_hf_config(cfg)
     # The architecture's default vocabulary (151,936 for Qwen3) would dwarf a tiny model: size the
     # embedding to the tokenizer unless the recipe sets vocab_size itself.
     if "vocab_size" not in cfg.model.override_config:

@@ -32,8 +32,11 @@ def prepare_model_folder(cfg: Config, output_dir: Path) -> Path:
         folder = hf_model_folder(_resolved_model_path(cfg.model.path), output_dir)
         _warn_unapplied_overrides(cfg.model.override_config, folder)
         return folder
-    from megatron_grpo.trainer.assembly.initial_model import ensure_initial_model
+    from megatron_grpo.trainer.assembly.initial_model import ensure_initial_model, initial_hf_config
 
+    # Before the model is written (it takes a while for a large one): its context is known now.
+    where = "model.config_path" if cfg.model.config_path else "model.override_config"
+    check_context_length(cfg, initial_hf_config(cfg).max_position_embeddings, f"max_position_embeddings of {where}")
     target = output_dir / INITIAL_MODEL_DIR
     on_rank0(ensure_initial_model, cfg, target)
     return target
@@ -66,14 +69,14 @@ def _resolved_model_path(value: str) -> Path:
     return path if dist.get_rank() == 0 else local_model_folder(value)
 
 
-def check_context_length(cfg: Config, model_config, model_dir: Path) -> None:
+def check_context_length(cfg: Config, max_positions: int, source: str) -> None:
     """A prompt plus its response must fit the model's context, checked before any weights are
-    loaded (the model was not built for positions beyond it)."""
+    loaded (the model was not built for positions beyond it); `source` says where the context is set."""
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    if longest > model_config.max_position_embeddings:
+    if longest > max_positions:
         raise ConfigError(f"data.max_prompt_length + data.max_response_length = {cfg.data.max_prompt_length} + "
                           f"{cfg.data.max_response_length} = {longest} tokens exceed the model's context of "
-                          f"{model_config.max_position_embeddings} (max_position_embeddings in {model_dir})")
+                          f"{max_positions} ({source})")
 
 
 def local_model_folder(value: str) -> Path:
