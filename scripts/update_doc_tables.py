@@ -31,12 +31,19 @@ def render_verl(text: str) -> str:
 
 
 def render_keys(text: str) -> str:
+    from megatron_grpo.config.derived import INERT_WITHOUT_KL_IN_REWARD
     from megatron_grpo.config.validate import NOT_YET_WIRED
+
+    def note(key: str) -> str:
+        if key in NOT_YET_WIRED:
+            return "not wired yet: refused when set"
+        if key in INERT_WITHOUT_KL_IN_REWARD:
+            return "acts only with algorithm.use_kl_in_reward (not wired yet): accepted, inert"
+        return ""
 
     rows = [line.split("\t") for line in _cli("keys").splitlines() if line.strip()]
     table = "| key | type | default | |\n|---|---|---|---|\n" + "".join(
-        f"| `{key}` | {kind} | `{default}` | {'not wired yet: refused when set' if key in NOT_YET_WIRED else ''} |\n"
-        for key, kind, default in rows)
+        f"| `{key}` | {kind} | `{default}` | {note(key)} |\n" for key, kind, default in rows)
     head, marker, _ = text.partition(KEYS_MARKER)
     if not marker:
         raise SystemExit(f"{KEYS_PAGE}: no '{KEYS_MARKER.strip()}' line")

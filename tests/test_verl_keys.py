@@ -20,6 +20,7 @@ from megatron_grpo.config.from_verl import (config_of, markdown_table, parse_com
                                             render_recipe, translate)
 from megatron_grpo.config.schema import Config
 from megatron_grpo.config.verl_keys import TABLE, hint, lookup
+from megatron_grpo.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 KEY_LISTS = {name: REPO / "tests" / "data" / f"verl_0.9.1_{name}_keys.txt"
@@ -267,6 +268,28 @@ def test_megatron_example_translates_and_validates():
     assert config.reward.function == "by_data_source"  # gsm8k and MATH rows, each by its own scorer
     assert translation.unknown == ["model_engine=megatron"]  # a Hydra group choice, listed, not dropped
     assert "model_engine=megatron" in render_recipe(translation)
+
+
+def test_kl_controller_settings_without_kl_in_reward_are_kept_and_noted_not_refused():
+    """verl's MoE DAPO example sets algorithm.kl_ctrl.kl_coef=0.0 with use_kl_in_reward=False:
+    inert in verl, so kept here with a note (it was refused, and the script got no recipe)."""
+    from megatron_grpo.config.derived import implied_settings
+
+    args = ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False", "algorithm.kl_ctrl.kl_coef=0.0",
+            "algorithm.kl_ctrl.type=adaptive", "data.train_files=/d/train.parquet",
+            "actor_rollout_ref.model.path=Qwen/Qwen3-8B", "actor_rollout_ref.rollout.n=5"]
+    translation = translate(parse_command_line(args))
+    config = config_of(translation)
+    validate(config)
+    assert (config.algorithm.kl_ctrl.kl_coef, config.algorithm.kl_ctrl.type) == (0.0, "adaptive")
+    recipe = render_recipe(translation)
+    assert ("algorithm.kl_ctrl.kl_coef=0.0: kept; inert while algorithm.use_kl_in_reward=false, as in verl"
+            in recipe), recipe
+    assert ("algorithm.kl_ctrl.type='adaptive' has no effect: algorithm.use_kl_in_reward=false (as in verl)"
+            in implied_settings(config))
+    # with the KL in the reward, which is not wired yet, the same settings are refused
+    with pytest.raises(ConfigError, match="not implemented in the trainer yet.*algorithm.use_kl_in_reward=True"):
+        validate(config_of(translate(parse_command_line([*args, "algorithm.use_kl_in_reward=True"]))))
 
 
 def test_from_verl_cli_takes_the_line_whole_alone_or_as_one_string(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """What a recipe implies beyond its keys, decided in one place (no torch): where the local engine
-runs, which route the weights take, and what asynchronous rollouts change. The trainer acts on
-these; `config show` prints them as comments above the YAML (ignored when it is loaded back)."""
+runs, which route the weights take, what asynchronous rollouts change, and which settings have no
+effect. The trainer acts on these; `config show` prints them as comments above the YAML (ignored
+when it is loaded back)."""
 from __future__ import annotations
 
 from megatron_grpo.config.schema import Config
@@ -51,4 +52,31 @@ def implied_settings(cfg: Config) -> list[str]:
            "colocated": "every trainer rank feeds the SGLang engine rank on its GPU"}[route]
     source = "rollout.weight_sync_route" if r.weight_sync_route != "auto" else "rollout.weight_sync_route=auto"
     lines.append(f"weight sync route: {route}, {how} ({source})")
-    return lines
+    return lines + inert_settings(cfg)
+
+
+# Keys that act only with algorithm.use_kl_in_reward=true (as in verl, whose examples set kl_ctrl.*
+# with it false): accepted, with a note (inert_settings), never refused.
+INERT_WITHOUT_KL_IN_REWARD = (
+    "algorithm.kl_penalty", "algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.horizon",
+    "algorithm.kl_ctrl.target_kl",
+)
+
+
+def inert_settings(c: Config) -> list[str]:
+    """One line per setting that differs from its default but has no effect in this config."""
+    if c.algorithm.use_kl_in_reward:
+        return []
+    return [f"{key}={value!r} has no effect: algorithm.use_kl_in_reward=false (as in verl)"
+            for key, value, default in values_at(c, INERT_WITHOUT_KL_IN_REWARD) if value != default]
+
+
+def values_at(c: Config, keys) -> list[tuple[str, object, object]]:
+    """(key, value in c, default) for dotted keys."""
+    defaults, out = Config(), []
+    for key in keys:
+        value, default = c, defaults
+        for part in key.split("."):
+            value, default = getattr(value, part), getattr(default, part)
+        out.append((key, value, default))
+    return out

@@ -21,6 +21,7 @@ from typing import Any, Literal, Mapping, Sequence, get_args, get_origin
 import yaml
 
 from megatron_grpo.config.coerce import all_keys, strip_optional
+from megatron_grpo.config.derived import INERT_WITHOUT_KL_IN_REWARD
 from megatron_grpo.config.overrides import field_type_at
 from megatron_grpo.config.schema import Config
 from megatron_grpo.config.verl_keys import TABLE, VERL_VERSION, lookup, verl_default_values
@@ -143,6 +144,9 @@ def translate(parsed: VerlInput) -> VerlTranslation:
             out.values[ours] = value
             out.origin[ours] = why
             out.defaults.append(f"{ours}: {_show(value)} ({why})")
+    if not out.values.get("algorithm.use_kl_in_reward"):
+        out.no_effect.extend(f"{key}={_show(out.values[key])}: kept; inert while algorithm.use_kl_in_reward=false, "
+                             "as in verl" for key in INERT_WITHOUT_KL_IN_REWARD if key in out.values)
     out.values = {key: _typed(key, value) for key, value in out.values.items()}
     return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from megatron_grpo.config.derived import values_at
 from megatron_grpo.config.model_dims import hf_config_file, model_dims
 from megatron_grpo.config.names import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, REWARD_FUNCTIONS, check_name, unknown_name
 from megatron_grpo.config.schema import Config
@@ -21,12 +22,10 @@ GROUP_ESTIMATORS = ("grpo", "rloo")  # need >= 2 samples per prompt to form a ba
 # otherwise. A key leaves this list in the change that wires it.
 NOT_YET_WIRED = (
     "model.transformer_impl", "model.trust_remote_code", "data.prompt_key", "data.apply_chat_template",
-    "algorithm.use_kl_in_reward", "algorithm.kl_penalty", "algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef",
-    "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl", "algorithm.filter_groups.metric",
+    "algorithm.use_kl_in_reward", "algorithm.filter_groups.metric",
     "actor.shuffle", "reward.format_score", "checkpoint.async_save", "logging.log_interval",
     "logging.wandb_entity", "logging.wandb_mode", "eval.val_batch_size",
 )
-
 
 def validate(config: Config, world_size: Optional[int] = None, ranks_per_node: Optional[int] = None) -> None:
     """Raises one ConfigError listing every cross-field problem; returns None if there is none.
@@ -45,14 +44,8 @@ def validate(config: Config, world_size: Optional[int] = None, ranks_per_node: O
 
 
 def _unwired(c: Config, out: list[str]) -> None:
-    defaults = Config()
-    changed = []
-    for key in NOT_YET_WIRED:
-        value, default = c, defaults
-        for part in key.split("."):
-            value, default = getattr(value, part), getattr(default, part)
-        if value != default:
-            changed.append(f"{key}={value!r} (default {default!r})")
+    changed = [f"{key}={value!r} (default {default!r})" for key, value, default in values_at(c, NOT_YET_WIRED)
+               if value != default]
     if changed:
         out.append("not implemented in the trainer yet, set back to the default: " + "; ".join(changed))
 
