@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +105,8 @@ def test_gpu_recipe_validates_for_its_layout(script: str) -> None:
 def test_dry_run_qwen3_8b_colocated() -> None:
     result = dry_run("grpo_qwen3_8b.sh", "actor.optim.lr=2e-6")
     assert result.returncode == 0, result.stderr
+    # this venv has no SGLang: the plan is printed, with the warning the real run would stop on
+    assert f"WARNING: {sys.executable} lacks sglang, which starts the SGLang engines" in result.stderr, result.stderr
     plan = parse_plan(result.stdout)
     [trainer] = plan["trainer"]
     assert (trainer["node"], trainer["ranks"], trainer["tasks"]) == ("node1", "0-7", "8")
@@ -129,6 +132,18 @@ def test_dry_run_qwen3_8b_colocated() -> None:
         assert f"http://node1:{30000 + 10 * i}" in cmd
     assert cmd.endswith("actor.optim.lr=2e-6")  # the user's override comes last and wins
     assert "NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0" in result.stdout
+
+
+def test_a_python_without_the_environment_is_named_before_anything_starts(tmp_path) -> None:
+    """The submitting shell without the venv active: the system python (which can still `import
+    megatron_grpo` from the repository folder) lacks torch and megatron-core."""
+    system_python = shutil.which("python3", path="/usr/bin")
+    assert system_python, "the machines have /usr/bin/python3"
+    result = dry_run("grpo_qwen3_8b.sh", GRPO_PYTHON=system_python)
+    assert result.returncode == 1 and not result.stdout.count("[dry-run]"), result.stdout
+    assert re.search(rf"ERROR: {re.escape(system_python)} lacks torch megatron\.core( yaml)?: activate the "
+                     r"environment where megatron-grpo is installed \(bash scripts/setup_env\.sh\) or set GRPO_PYTHON",
+                     result.stderr), result.stderr
 
 
 def test_dry_run_llama3_70b_dedicated() -> None:

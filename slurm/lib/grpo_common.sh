@@ -96,6 +96,41 @@ grpo_allocation() {
     GRPO_BATCH_HOST=${GRPO_NODES[0]}
 }
 
+# ------------------------------------------------------------------------------ python
+# The python the job runs must have the trainer's packages (and SGLang, where this job starts the
+# engines): a shell without the environment active finds a system python with neither, and
+# `import megatron_grpo` alone would succeed from the repository folder.
+grpo_missing_modules() {
+    "$GRPO_PYTHON" - "$@" <<'PY'
+import importlib.util, sys
+def absent(name):
+    try:
+        return importlib.util.find_spec(name) is None
+    except ModuleNotFoundError:  # its parent package is missing
+        return True
+print(" ".join(m for m in sys.argv[1:] if absent(m)))
+PY
+}
+
+grpo_check_python() {
+    local missing
+    missing=$(grpo_missing_modules megatron_grpo torch megatron.core yaml 2>&1) || missing="(python failed: $missing)"
+    [ -z "$missing" ] || grpo_die "$GRPO_PYTHON lacks $missing: activate the environment where megatron-grpo is" \
+        "installed (bash scripts/setup_env.sh) or set GRPO_PYTHON"
+}
+
+# After grpo_read_recipe: a job that starts SGLang engines needs SGLang in that python too (a
+# warning in DRY_RUN, which starts nothing).
+grpo_check_engine_python() {
+    [ "$R_ENGINE" = sglang ] && [ "$R_NUM_URLS" = 0 ] || return 0
+    local module=${SGLANG_MODULE:-sglang.launch_server} missing message
+    missing=$(grpo_missing_modules "${module%%.*}" 2>&1) || missing="(python failed: $missing)"
+    [ -n "$missing" ] || return 0
+    message="$GRPO_PYTHON lacks $missing, which starts the SGLang engines ($module): install SGLang there, set"
+    message+=" GRPO_PYTHON, or give the engines' rollout.sglang.urls"
+    if [ "${DRY_RUN:-0}" = 1 ]; then grpo_log "WARNING: $message" >&2; else grpo_die "$message"; fi
+}
+
 # ------------------------------------------------------------------------------ recipe
 # Reads the values the launcher needs through the project's loader (validated), as shell vars R_*.
 grpo_read_recipe() {
@@ -375,8 +410,10 @@ grpo_main() {
     [ -n "${VAL_FILES:-}" ] && GRPO_ARGS=("data.val_files=[${VAL_FILES}]" "${GRPO_ARGS[@]}")
     [ -n "${TRAIN_FILES:-}" ] && GRPO_ARGS=("data.train_files=[${TRAIN_FILES}]" "${GRPO_ARGS[@]}")
 
+    grpo_check_python
     grpo_allocation
     grpo_read_recipe
+    grpo_check_engine_python
     grpo_plan
     GRPO_RUN_DIR=${GRPO_RUN_DIR:-${OUTPUT_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}/outputs}/${SLURM_JOB_NAME:-grpo}-${SLURM_JOB_ID:-dryrun}}
     GRPO_LOG_DIR=$GRPO_RUN_DIR/logs
