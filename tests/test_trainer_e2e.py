@@ -186,6 +186,18 @@ def test_full_activation_recompute_gives_the_same_step(tmp_path):
         assert recompute[key] == pytest.approx(plain[key], rel=1e-6), key
 
 
+def test_eval_without_a_checkpoint_says_how_to_get_one_before_building_a_model(tmp_path):
+    """The README's order: the default run saves no checkpoint (save_interval -1)."""
+    from megatron_grpo.errors import CheckpointError
+    from megatron_grpo.trainer.evaluation.eval_cli import main as eval_main
+
+    with pytest.raises(CheckpointError) as info:
+        eval_main(["tiny_cpu", f"logging.output_dir={tmp_path}"])
+    assert str(info.value).startswith(f"no complete checkpoint under {tmp_path / 'checkpoints'} to evaluate: "
+                                      "train with checkpoint.save_interval=N")
+    assert not (tmp_path / "initial_model").exists()
+
+
 def test_eval_cli_scores_the_saved_checkpoint(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     common = ["tiny_cpu", f"logging.output_dir={tmp_path}", *FAST, "eval.n_samples=2", "eval.greedy=false",

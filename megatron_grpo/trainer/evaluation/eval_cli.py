@@ -26,6 +26,12 @@ def main(argv=None) -> int:
     validate(cfg, world_size=discover_ranks(os.environ).world_size)
     if cfg.checkpoint.resume.strip() == "never":
         raise CheckpointError("megatron-grpo eval needs a checkpoint: checkpoint.resume=auto or a path")
+    from megatron_grpo.checkpointing.layout import checkpoint_root, complete_checkpoints
+
+    if not complete_checkpoints(cfg):  # before any model is built
+        raise CheckpointError(f"no complete checkpoint under {checkpoint_root(cfg)} to evaluate: train with "
+                              "checkpoint.save_interval=N (at -1, a recipe's default, a run saves only when a "
+                              "signal stops it), or set checkpoint.resume=PATH")
     quiet_known_notices()
 
     from megatron_grpo.launch.distributed import shutdown
