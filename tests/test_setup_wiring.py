@@ -66,31 +66,33 @@ def test_override_config_with_model_path_is_named_as_not_applied(tmp_path, caplo
         assert caplog.text == ""
 
 
-@pytest.mark.parametrize("model_path", [False, True])
-def test_prompt_and_response_beyond_the_context_stop_before_weights_are_written_or_loaded(tmp_path, model_path):
-    """tiny_cpu's override_config gives a context of 128 positions. Without model.path the check
-    runs before initial_model/ is written; with an HF folder, from its config.json, before any
-    model is built."""
+def test_prompt_and_response_beyond_the_context_stop_before_initial_model_is_written(tmp_path):
+    """tiny_cpu's override_config gives a context of 128 positions: checked before initial_model/
+    is written (an HF folder's config.json is checked before any model is built, as before)."""
     from megatron_grpo.config import load_config
     from megatron_grpo.errors import ConfigError
     from megatron_grpo.trainer.assembly.model_path import prepare_model_folder
 
     overrides = ["data.max_prompt_length=100", "data.max_response_length=29", f"logging.output_dir={tmp_path}"]
-    if not model_path:
-        with pytest.raises(ConfigError) as info:
-            prepare_model_folder(load_config("tiny_cpu", overrides), tmp_path)
-        assert str(info.value) == ("data.max_prompt_length + data.max_response_length = 100 + 29 = 129 tokens exceed "
-                                   "the model's context of 128 (max_position_embeddings of model.override_config)")
-        assert not any(tmp_path.iterdir())  # no initial_model/ was written
-        return
+    with pytest.raises(ConfigError) as info:
+        prepare_model_folder(load_config("tiny_cpu", overrides), tmp_path)
+    assert str(info.value) == ("data.max_prompt_length + data.max_response_length = 100 + 29 = 129 tokens exceed "
+                               "the model's context of 128 (max_position_embeddings of model.override_config)")
+    assert not any(tmp_path.iterdir())  # no initial_model/ was written
+
+
+@pytest.mark.slow
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line_before_any_model_is_built(tmp_path):
     from megatron_grpo.data.synthetic import build_tokenizer
     from megatron_grpo.models.tiny import save_tiny_hf_model
 
     folder = tmp_path / "hf"
-    save_tiny_hf_model("qwen3", folder, seed=0, num_hidden_layers=1, max_position_embeddings=128)
-    build_tokenizer(folder)
+    save_tiny_hf_model("qwen3", folder, seed=0, num_hidden_layers=1, vocab_size=8)
+    size = len(__import__("transformers").AutoTokenizer.from_pretrained(build_tokenizer(folder)))
+    assert size > 8
     with pytest.raises(Exception) as info:
-        run_distributed(_built, 1, ([*overrides, f"model.path={folder}", "model.make_vocab_size_divisible_by=8"],))
-    assert (f"129 tokens exceed the model's context of 128 (max_position_embeddings in {folder})"
-            in str(info.value)), str(info.value)[-1500:]
+        run_distributed(_built, 1, ([*FAST, f"model.path={folder}", "model.make_vocab_size_divisible_by=8",
+                                     f"logging.output_dir={tmp_path / 'out'}"],))
+    assert (f"ConfigError: the tokenizer (model.path) has {size} tokens but the model has embeddings for 8 "
+            f"(vocab_size in {folder / 'config.json'})" in str(info.value)), str(info.value)[-1500:]
     assert "Setting up optimizer" not in str(info.value)

@@ -146,7 +146,8 @@ def build_run(cfg: Config) -> Run:
     from megatron_grpo.launch import ParallelLayout, init_distributed, initialize_model_parallel
     from megatron_grpo.models import ModelArchitecture, build_model, build_reference_model
     from megatron_grpo.models.builder import Recompute
-    from megatron_grpo.trainer.assembly.model_path import check_context_length, prepare_model_folder
+    from megatron_grpo.trainer.assembly.model_path import (check_context_length, check_tokenizer_fits,
+                                                           prepare_model_folder)
     from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
     from megatron_grpo.trainer.assembly.prompt_data import load_prompts
     from megatron_grpo.trainer.state.run_folder import run_record
@@ -171,6 +172,8 @@ def build_run(cfg: Config) -> Run:
     check_context_length(cfg, model_config.max_position_embeddings, f"max_position_embeddings in {model_dir}")
     check_moe_keys(cfg, model_config)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_dir)
+    tokenizer_source = f"model.tokenizer_path={cfg.model.tokenizer_path}" if cfg.model.tokenizer_path else "model.path"
+    check_tokenizer_fits(model_config.vocab_size, tokenizer, model_dir, tokenizer_source)
     prompts = rank0_only(load_prompts, cfg, tokenizer)  # data errors stop every rank before any model is built
     if cfg.rollout.multi_turn.environment:
         on_rank0(check_multi_turn_environment, cfg)
