@@ -8,7 +8,7 @@ import pytest
 
 from megatron_grpo.data.io import load_records, write_records
 from megatron_grpo.data.prompts import encode_prompts, render_chat
-from megatron_grpo.data.records import PromptRecord
+from megatron_grpo.data.records import PromptRecord, RecordFormat
 from megatron_grpo.data.sampler import PromptSampler
 from megatron_grpo.data.synthetic import build_tokenizer
 from megatron_grpo.errors import CheckpointError, ConfigError, DataError
@@ -199,12 +199,12 @@ def test_a_non_scalar_ground_truth_is_refused_for_the_built_in_scorers(tmp_path,
     line = json.dumps({**_row(0), "reward_model": {"style": "rule", "ground_truth": answer}})
     path = _write_lines(tmp_path / "d.jsonl", [json.dumps(_row(1)), line])
     with pytest.raises(DataError) as info:
-        load_records(path, scalar_ground_truth_for="gsm8k")
+        load_records(path, RecordFormat(scalar_ground_truth_for="gsm8k"))
     assert str(info.value).startswith(f"{path}:2: reward_model.ground_truth is {json.dumps(answer)} "
                                       f"({type(answer).__name__}); the gsm8k scorer compares one answer")
     assert load_records(path)[1].ground_truth == answer  # no scorer named: kept for the user's function
-    assert [r.ground_truth for r in load_records(_write_lines(tmp_path / "n.jsonl", [
-        json.dumps({**_row(0), "reward_model": {"style": "rule", "ground_truth": 18}})]), "gsm8k")] == [18]
+    number = _write_lines(tmp_path / "n.jsonl", [json.dumps({**_row(0), "reward_model": {"ground_truth": 18}})])
+    assert [r.ground_truth for r in load_records(number, RecordFormat(scalar_ground_truth_for="gsm8k"))] == [18]
 
 
 def test_the_trainer_checks_ground_truths_for_its_built_in_scorer(tmp_path, tokenizer):
@@ -219,3 +219,25 @@ def test_the_trainer_checks_ground_truths_for_its_built_in_scorer(tmp_path, toke
     user_function = f"reward.function={REPO}/tests/data/user_rewards.py:length_match"
     train, _ = load_prompts(load_config("tiny_cpu", [*overrides, user_function]), tokenizer)
     assert len(train) == 1
+    # and reads the messages from data.prompt_key
+    row = {**_row(3)}
+    row["chat"] = row.pop("prompt")
+    renamed = _write_lines(tmp_path / "renamed.jsonl", [json.dumps(row)])
+    train, _ = load_prompts(load_config("tiny_cpu", ["data.task=null", f"data.train_files={renamed}",
+                                                     "data.prompt_key=chat"]), tokenizer)
+    assert [p.record.prompt for p in train] == [[{"role": "user", "content": "hello 3"}]]
+
+
+def test_prompt_key_names_the_column_of_the_chat_messages(tmp_path):
+    """verl's data.prompt_key: the messages may sit under any column name."""
+    row = {**_row(0)}
+    row["question_chat"] = row.pop("prompt")
+    path = _write_lines(tmp_path / "d.jsonl", [json.dumps(row)])
+    [record] = load_records(path, RecordFormat(prompt_key="question_chat"))
+    assert record.prompt == [{"role": "user", "content": "hello 0"}]
+    with pytest.raises(DataError) as info:
+        load_records(path)  # the default column, "prompt", is not in this file
+    assert str(info.value) == (f"{path}:1: 'prompt' must be a non-empty list of chat messages {{role, content}}; "
+                               "the row's keys: data_source, ability, reward_model, extra_info, question_chat")
+    with pytest.raises(DataError, match=r"'chat' \(data.prompt_key\) must be a non-empty list"):
+        load_records(path, RecordFormat(prompt_key="chat"))

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from megatron_grpo.data.records import PromptRecord, parse_record
+from megatron_grpo.data.records import PromptRecord, RecordFormat, parse_record
 from megatron_grpo.errors import DataError
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -17,18 +17,16 @@ def _format(path: Path) -> str:
     return "parquet" if path.suffix == ".parquet" else "jsonl"
 
 
-def load_records(path: str | Path, scalar_ground_truth_for: str | None = None) -> list[PromptRecord]:
-    """Every record of a jsonl (one JSON object per line, blank lines skipped) or parquet file.
-    A bad line raises DataError naming "file:line" (parquet: "file:row N", 1-based).
-    `scalar_ground_truth_for` names a scorer that compares one answer (the built-in gsm8k / math):
-    a list or object ground truth is then refused (it would score every response 0)."""
+def load_records(path: str | Path, fmt: RecordFormat = RecordFormat()) -> list[PromptRecord]:
+    """Every record of a jsonl (one JSON object per line, blank lines skipped) or parquet file,
+    read by `fmt`. A bad line raises DataError naming "file:line" (parquet: "file:row N", 1-based)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: dataset file does not exist")
     if _format(path) == "parquet":
-        records = _load_parquet(path, scalar_ground_truth_for)
+        records = _load_parquet(path, fmt)
     else:
-        records = [_record(line, f"{path}:{number}", scalar_ground_truth_for)
+        records = [_record(line, f"{path}:{number}", fmt)
                    for number, line in enumerate(_utf8_lines(path), start=1) if line.strip()]
     if not records:
         raise DataError(f"{path}: dataset has no records")
@@ -46,16 +44,16 @@ def _utf8_lines(path: Path) -> Iterable[str]:
                                 "(e.g. iconv -f latin1 -t utf-8)") from None
 
 
-def _record(line: str, where: str, scalar_ground_truth_for: str | None) -> PromptRecord:
+def _record(line: str, where: str, fmt: RecordFormat) -> PromptRecord:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-    return _checked(parse_record(obj, where), where, scalar_ground_truth_for)
+    return _checked(parse_record(obj, where, fmt.prompt_key), where, fmt)
 
 
-def _checked(record: PromptRecord, where: str, scalar_ground_truth_for: str | None) -> PromptRecord:
-    answer = record.ground_truth
+def _checked(record: PromptRecord, where: str, fmt: RecordFormat) -> PromptRecord:
+    answer, scalar_ground_truth_for = record.ground_truth, fmt.scalar_ground_truth_for
     if scalar_ground_truth_for and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
         raise DataError(f"{where}: reward_model.ground_truth is {json.dumps(answer)[:60]} "
                         f"({type(answer).__name__}); the {scalar_ground_truth_for} scorer compares one answer, "
@@ -64,14 +62,14 @@ def _checked(record: PromptRecord, where: str, scalar_ground_truth_for: str | No
     return record
 
 
-def _load_parquet(path: Path, scalar_ground_truth_for: str | None) -> list[PromptRecord]:
+def _load_parquet(path: Path, fmt: RecordFormat) -> list[PromptRecord]:
     import pyarrow.parquet as pq
 
     try:
         rows = pq.read_table(path).to_pylist()
     except Exception as exc:  # pyarrow raises several types for a corrupt file
         raise DataError(f"{path}: cannot read parquet: {exc}") from None
-    return [_checked(parse_record(row, f"{path}:row {i}"), f"{path}:row {i}", scalar_ground_truth_for)
+    return [_checked(parse_record(row, f"{path}:row {i}", fmt.prompt_key), f"{path}:row {i}", fmt)
             for i, row in enumerate(rows, start=1)]
 
 

@@ -29,7 +29,17 @@ class PromptRecord:
                 "extra_info": dict(self.extra_info)}
 
 
-def parse_record(obj: Any, where: str) -> PromptRecord:
+@dataclass(frozen=True)
+class RecordFormat:
+    """How a dataset's rows are read (from the recipe's data.* and reward.* keys)."""
+
+    prompt_key: str = "prompt"  # the column with the chat messages (verl's data.prompt_key)
+    # A scorer that compares one answer (the built-in gsm8k / math): a list or object ground truth
+    # is refused, since it would score every response 0. None: any JSON value, for the user's function.
+    scalar_ground_truth_for: str | None = None
+
+
+def parse_record(obj: Any, where: str, prompt_key: str = "prompt") -> PromptRecord:
     """A PromptRecord from one decoded row; DataError "<where>: <what is wrong>" otherwise."""
     def fail(what: str) -> DataError:
         return DataError(f"{where}: {what}")
@@ -39,18 +49,20 @@ def parse_record(obj: Any, where: str) -> PromptRecord:
     data_source = obj.get("data_source")
     if not isinstance(data_source, str) or not data_source:
         raise fail("'data_source' must be a non-empty string")
-    prompt = obj.get("prompt")
+    prompt = obj.get(prompt_key)
     if not isinstance(prompt, (list, tuple)) or not prompt:
-        raise fail("'prompt' must be a non-empty list of chat messages {role, content}")
+        named = "" if prompt_key == "prompt" else " (data.prompt_key)"
+        raise fail(f"'{prompt_key}'{named} must be a non-empty list of chat messages {{role, content}}"
+                   + (f"; the row's keys: {', '.join(map(str, obj))}" if prompt_key not in obj else ""))
     messages = []
     for i, message in enumerate(prompt):
         if not isinstance(message, dict):
-            raise fail(f"prompt[{i}] must be an object with 'role' and 'content'")
+            raise fail(f"{prompt_key}[{i}] must be an object with 'role' and 'content'")
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
-            raise fail(f"prompt[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+            raise fail(f"{prompt_key}[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
         if not isinstance(content, str):
-            raise fail(f"prompt[{i}].content must be a string, got {type(content).__name__}")
+            raise fail(f"{prompt_key}[{i}].content must be a string, got {type(content).__name__}")
         messages.append({"role": role, "content": content})
     reward_model = obj.get("reward_model")
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:

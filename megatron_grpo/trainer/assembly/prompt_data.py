@@ -6,6 +6,7 @@ import dataclasses
 from megatron_grpo.config.schema import Config
 from megatron_grpo.config.validate import training_data_problem
 from megatron_grpo.data.prompts import EncodedPrompt
+from megatron_grpo.data.records import RecordFormat
 from megatron_grpo.errors import ConfigError
 
 SYNTHETIC_TRAIN_RECORDS, SYNTHETIC_EVAL_RECORDS = 4096, 128
@@ -30,9 +31,10 @@ def load_prompts(cfg: Config, tokenizer) -> tuple[list[EncodedPrompt], list[Enco
         train_records = generate_records(task, count=SYNTHETIC_TRAIN_RECORDS, seed=cfg.trainer.seed, split="train")
         eval_records = generate_records(task, count=SYNTHETIC_EVAL_RECORDS, seed=cfg.trainer.seed + 1, split="test")
     else:
-        scorer = cfg.reward.function if cfg.reward.function in SCALAR_ANSWER_SCORERS else None
-        train_records = [r for path in cfg.data.train_files for r in load_records(path, scorer)]
-        eval_records = [r for path in cfg.data.val_files for r in load_records(path, scorer)] or None
+        fmt = RecordFormat(prompt_key=cfg.data.prompt_key, scalar_ground_truth_for=(
+            cfg.reward.function if cfg.reward.function in SCALAR_ANSWER_SCORERS else None))
+        train_records = [r for path in cfg.data.train_files for r in load_records(path, fmt)]
+        eval_records = [r for path in cfg.data.val_files for r in load_records(path, fmt)] or None
     overlong = OVERLONG[cfg.data.truncation]
     train, _ = encode_prompts(train_records, tokenizer, cfg.data.max_prompt_length, overlong,
                               cfg.data.chat_template, source="train")
