@@ -252,6 +252,10 @@ def renamed(source, text, gold, info=None):
 
 
 def two_args(solution_str, ground_truth):
+    return float(solution_str == ground_truth)
+
+
+def needs_a_key(solution_str, ground_truth, key):
     return 1.0
 """
 
@@ -313,10 +317,15 @@ def test_signature_override(verl_file):
         assert runner.score(_verl_requests([("openai/gsm8k", "x", "x")])).errors == [True]  # data_source = prompt
 
 
-def test_wrong_arity_is_a_config_error_before_any_call(verl_file):
-    with pytest.raises(ConfigError, match=r"two_args takes \(solution_str, ground_truth\), but is called as "
-                                          r"verl \(data_source, solution_str, ground_truth, extra_info\): too many"):
-        RewardRunner(f"{verl_file}:two_args", num_workers=0, timeout_s=None)
+def test_some_of_verls_names_are_passed_by_keyword_and_wrong_arity_is_a_config_error(verl_file):
+    # two_args(solution_str, ground_truth) declares two of verl's names: it gets those two (verl's own
+    # scorers look like this: tests/test_verl_scorers.py)
+    with RewardRunner(f"{verl_file}:two_args", num_workers=0, timeout_s=None) as runner:
+        assert runner.score(_verl_requests([("a", "x", "x")])).scores == [1.0]
+    with pytest.raises(ConfigError, match=r"needs_a_key takes \(solution_str, ground_truth, key\), but is called "
+                                          r"as verl \(data_source, solution_str, ground_truth, extra_info\): "
+                                          r"missing a required argument: 'key'"):
+        RewardRunner(f"{verl_file}:needs_a_key", num_workers=0, timeout_s=None)
     with pytest.raises(ConfigError, match=r"my_reward_fn takes .* called as verl .*unexpected keyword argument 'k'"):
         RewardRunner(f"{verl_file}:my_reward_fn", num_workers=0, timeout_s=None, kwargs={"k": 1})
 

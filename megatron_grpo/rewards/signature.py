@@ -7,9 +7,11 @@
 
 verl calls its functions with keywords (NaiveRewardManager / BatchRewardManager), so a verl file
 works here unchanged: `data_source` is the record's data_source (the trainer puts it into `extra`),
-`extra_info` the record's extra_info. `async def` verl functions are awaited. reward.signature=verl
-or native overrides the detection; a forced verl function whose parameters have other names is
-called positionally in verl's order.
+`extra_info` the record's extra_info. A function that declares only some of verl's names (verl's
+own scorers: `gsm8k.compute_score(solution_str, ground_truth, method="strict", ...)`) gets only
+those, so its own defaults stay; one with **kwargs gets all four. `async def` verl functions are
+awaited. reward.signature=verl or native overrides the detection; a forced verl function that
+declares none of verl's names is called positionally in verl's order.
 """
 from __future__ import annotations
 
@@ -32,7 +34,16 @@ NATIVE_BATCHED_NAMES = ("prompts", "responses", "ground_truths", "extras")
 class Convention:
     style: Literal["native", "verl"]
     batched: bool
-    keywords: bool = False  # verl only: call with verl's parameter names (the function declares them)
+    # verl only: the verl parameter names passed by keyword (those the function declares, or all
+    # with **kwargs); empty: positionally, in verl's order
+    keywords: tuple[str, ...] = ()
+
+
+def takes_var_keywords(fn: Callable) -> bool:
+    try:
+        return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
 
 
 def parameter_names(fn: Callable) -> list[str] | None:
@@ -54,9 +65,9 @@ def convention_of(fn: Callable, signature: str = "auto") -> Convention:
     native_batched = bool(names & {"responses", "prompts"})
     if signature == "native" or (signature == "auto" and not (verl_batched or verl_single)):
         return Convention("native", batched=native_batched)
-    if verl_batched:
-        return Convention("verl", batched=True, keywords=set(VERL_BATCHED_NAMES) <= names)
-    return Convention("verl", batched=False, keywords=set(VERL_NAMES) <= names)
+    verl_names = VERL_BATCHED_NAMES if verl_batched else VERL_NAMES
+    declared = verl_names if takes_var_keywords(fn) else tuple(n for n in verl_names if n in names)
+    return Convention("verl", batched=verl_batched, keywords=declared)
 
 
 class VerlCall:
@@ -64,14 +75,19 @@ class VerlCall:
 
     batched = False
 
-    def __init__(self, fn: Callable, keywords: bool):
+    names = VERL_NAMES
+
+    def __init__(self, fn: Callable, keywords: tuple[str, ...]):
         self.fn, self.keywords = fn, keywords
 
     def __call__(self, prompt: str, response: str, ground_truth: Any, extra: dict | None, **kwargs: Any) -> Any:
         extra = extra if extra is not None else {}
-        values = (extra.get("data_source"), response, ground_truth, extra)
+        return self._call((extra.get("data_source"), response, ground_truth, extra), kwargs)
+
+    def _call(self, values: tuple, kwargs: dict) -> Any:
         if self.keywords:
-            result = self.fn(**dict(zip(VERL_NAMES, values)), **kwargs)
+            by_name = dict(zip(self.names, values))
+            result = self.fn(**{name: by_name[name] for name in self.keywords}, **kwargs)
         else:
             result = self.fn(*values, **kwargs)
         return asyncio.run(result) if inspect.isawaitable(result) else result
@@ -81,15 +97,12 @@ class VerlBatchedCall(VerlCall):
     """verl's batched compute_score behind this project's batched call (lists in, list out)."""
 
     batched = True
+    names = VERL_BATCHED_NAMES
 
     def __call__(self, prompts: list, responses: list, ground_truths: list, extras: list, **kwargs: Any) -> Any:
         extras = [e if e is not None else {} for e in extras]
-        values = ([e.get("data_source") for e in extras], list(responses), list(ground_truths), extras)
-        if self.keywords:
-            result = self.fn(**dict(zip(VERL_BATCHED_NAMES, values)), **kwargs)
-        else:
-            result = self.fn(*values, **kwargs)
-        return asyncio.run(result) if inspect.isawaitable(result) else result
+        return self._call(([e.get("data_source") for e in extras], list(responses), list(ground_truths), extras),
+                          kwargs)
 
 
 def adapt(fn: Callable, convention: Convention) -> Callable:
@@ -107,9 +120,8 @@ def check_callable(fn: Callable, convention: Convention, kwargs: dict, name: str
     except (TypeError, ValueError):
         return  # unreadable signature (a C builtin): the calls will tell
     if convention.style == "verl" and convention.keywords:
-        names = VERL_BATCHED_NAMES if convention.batched else VERL_NAMES
         arguments: tuple = ()
-        keywords = {**dict.fromkeys(names), **kwargs}
+        keywords = {**dict.fromkeys(convention.keywords), **kwargs}
     else:
         arguments, keywords = (None,) * 4, dict(kwargs)
     try:
