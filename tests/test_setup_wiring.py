@@ -66,21 +66,6 @@ def test_override_config_with_model_path_is_named_as_not_applied(tmp_path, caplo
         assert caplog.text == ""
 
 
-def test_prompt_and_response_beyond_the_context_stop_before_initial_model_is_written(tmp_path):
-    """tiny_cpu's override_config gives a context of 128 positions: checked before initial_model/
-    is written (an HF folder's config.json is checked before any model is built, as before)."""
-    from megatron_grpo.config import load_config
-    from megatron_grpo.errors import ConfigError
-    from megatron_grpo.trainer.assembly.model_path import prepare_model_folder
-
-    overrides = ["data.max_prompt_length=100", "data.max_response_length=29", f"logging.output_dir={tmp_path}"]
-    with pytest.raises(ConfigError) as info:
-        prepare_model_folder(load_config("tiny_cpu", overrides), tmp_path)
-    assert str(info.value) == ("data.max_prompt_length + data.max_response_length = 100 + 29 = 129 tokens exceed "
-                               "the model's context of 128 (max_position_embeddings of model.override_config)")
-    assert not any(tmp_path.iterdir())  # no initial_model/ was written
-
-
 @pytest.mark.slow
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line_before_any_model_is_built(tmp_path):
     from megatron_grpo.data.synthetic import build_tokenizer

@@ -11,7 +11,7 @@ works here unchanged: `data_source` is the record's data_source (the trainer put
 own scorers: `gsm8k.compute_score(solution_str, ground_truth, method="strict", ...)`) gets only
 those, so its own defaults stay; one with **kwargs gets all four. `async def` verl functions are
 awaited. reward.signature=verl or native overrides the detection; a forced verl function that
-declares none of verl's names is called positionally in verl's order.
+declares neither solution_str nor data_source is called positionally in verl's order.
 """
 from __future__ import annotations
 
@@ -66,7 +66,13 @@ def convention_of(fn: Callable, signature: str = "auto") -> Convention:
     if signature == "native" or (signature == "auto" and not (verl_batched or verl_single)):
         return Convention("native", batched=native_batched)
     verl_names = VERL_BATCHED_NAMES if verl_batched else VERL_NAMES
-    declared = verl_names if takes_var_keywords(fn) else tuple(n for n in verl_names if n in names)
+    if takes_var_keywords(fn):
+        return Convention("verl", batched=verl_batched, keywords=verl_names)
+    # By keyword only when the function names verl's arguments (solution_str / data_source); a
+    # forced verl function with its own names (ground_truth alone is both conventions') is called
+    # positionally, in verl's order.
+    distinctive = {"solution_strs", "data_sources"} if verl_batched else {"solution_str", "data_source"}
+    declared = tuple(n for n in verl_names if n in names) if names & distinctive else ()
     return Convention("verl", batched=verl_batched, keywords=declared)
 
 
