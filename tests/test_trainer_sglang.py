@@ -151,7 +151,9 @@ def test_launched_engine_killed_at_random_moments_is_restarted(tmp_path, policy_
     previous step's weights. (Each kill costs an engine restart, ~20 s idle, a minute under load;
     this is still the suite's slowest test. FAULT_TEST_SEED picks other moments.)"""
     monkeypatch.setenv("HARNESS_FORWARD_DELAY_S", "0.003")  # rollouts take long enough to be hit
-    run, port, steps, kills = tmp_path / "run", free_port(), 4, 2  # kills in steps 2 and 3; step 4 samples on both
+    # 2 kills, one per step from step 2 on; 5 steps, so that a kill that lands a step late (a loaded
+    # machine) is still followed by a sync that restarts the engine
+    run, port, steps, kills = tmp_path / "run", free_port(), 5, 2
     overrides = base_overrides(policy_dir, run, steps) + trainer_overrides() + [
         "rollout.sglang.num_engines=2", f"rollout.sglang.port={port}", "rollout.sglang.weight_sync=distributed",
         "rollout.sglang.max_retries=4", "data.max_response_length=16"]
