@@ -153,12 +153,12 @@ def _config_show(args: argparse.Namespace) -> int:
 
 
 def _config_keys(args: argparse.Namespace) -> int:
-    from megatron_grpo.config.coerce import ONE_OR_MORE, describe, field_types
+    from megatron_grpo.config.coerce import describe, field_types, one_or_more_fields
     from megatron_grpo.config.schema import Config
 
     def walk(cls: type, prefix: str) -> None:
         defaults = cls()
-        one_or_more = {f.name for f in dataclasses.fields(cls) if f.metadata.get(ONE_OR_MORE)}
+        one_or_more = one_or_more_fields(cls)
         for name, tp in field_types(cls).items():
             value = getattr(defaults, name)
             if dataclasses.is_dataclass(tp):

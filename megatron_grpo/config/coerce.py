@@ -32,6 +32,11 @@ def locate(sources: Sources, key: str) -> str:
 ONE_OR_MORE = "one_or_more"
 
 
+def one_or_more_fields(cls: type) -> set[str]:
+    """The names of cls's list fields that also take one string."""
+    return {f.name for f in dataclasses.fields(cls) if f.metadata.get(ONE_OR_MORE)}
+
+
 def field_types(cls: type) -> dict[str, Any]:
     """Resolved annotations of a dataclass's fields, in declaration order."""
     hints = get_type_hints(cls)
@@ -118,7 +123,7 @@ def build(cls: type, data: Any, key: str, sources: Sources, root: type) -> Any:
     if not isinstance(data, Mapping):
         raise type_error(key or "<recipe>", cls, data, sources)
     hints = field_types(cls)
-    one_or_more = {f.name for f in dataclasses.fields(cls) if f.metadata.get(ONE_OR_MORE)}
+    one_or_more = one_or_more_fields(cls)
     kwargs = {}
     for name, value in data.items():
         full = f"{key}.{name}" if key else str(name)
