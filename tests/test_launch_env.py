@@ -10,6 +10,7 @@ from megatron_grpo.launch.env import (
     RankInfo,
     detect_launcher,
     discover_ranks,
+    free_server_port,
     parse_slurm_nodelist,
     parse_slurm_tasks_per_node,
     slurm_port_for_job,
@@ -373,3 +374,25 @@ def test_harness_port_cannot_be_taken_before_rank0_listens(monkeypatch):
             if isinstance(attempt, socket.socket):
                 attempt.close()
     assert isinstance(attempts[0], OSError) and attempts[0].errno == errno.EADDRINUSE, attempts
+
+
+def test_server_ports_lie_below_the_ephemeral_range_and_skip_taken_ones(monkeypatch):
+    """srun once took an engine's port from free_port() for its own I/O listener (both bind port 0)."""
+    import socket
+
+    from megatron_grpo.launch import env as launch_env
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    first = free_server_port(count=4, stride=10)
+    assert 20000 <= first and first + 30 < min(low, 32768)
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", free_server_port()))
+        taken, free = thief.getsockname()[1], free_server_port()
+        picks = iter([taken, free])
+
+        class Picks:
+            def randrange(self, start, stop):
+                return next(picks)
+
+        monkeypatch.setattr(launch_env.random, "Random", Picks)
+        assert free_server_port() == free

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_grpo.launch.env import free_port
+from megatron_grpo.launch.env import free_server_port
 from tests.requirements import require_local_slurm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,7 +139,7 @@ def test_sbatch_two_nodes_with_engines_and_trap(slurm, tmp_path: Path) -> None:
     stub_dir, pid_dir = tmp_path / "stub", tmp_path / "pids"
     stub_dir.mkdir(), pid_dir.mkdir()
     (stub_dir / "stub_sglang_server.py").write_text(STUB_SERVER)
-    port = free_port()
+    port = free_server_port(count=2, stride=10)  # engine j listens on port + 10 j
     run = _sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=2"],
                   ["rollout.sglang.num_engines=2", "rollout.sglang.tp_size=1"],
                   TASKS_PER_NODE="1", ENGINE_PLACEMENT="colocated", SGLANG_MODULE="stub_sglang_server",
@@ -174,7 +174,7 @@ def test_sbatch_qwen3_8b_colocated_with_harness_engines(slurm, tmp_path: Path) -
 
     slurm(nodes=1, gpus=4, cpus=8)
     policy = tiny_policy("qwen3", tmp_path / "qwen3")
-    port = free_port()
+    port = free_server_port(count=4, stride=10)
     overrides = [o for o in cpu_overrides("qwen3_8b_gsm8k", policy, tmp_path / "unused")
                  if not o.startswith(("logging.output_dir=", "trainer.total_steps=", "model.path="))]
     overrides.append("rollout.sglang.num_engines=4")

@@ -107,6 +107,7 @@ def test_dry_run_qwen3_8b_colocated() -> None:
     assert result.returncode == 0, result.stderr
     # this venv has no SGLang: the plan is printed, with the warning the real run would stop on
     assert f"WARNING: {sys.executable} lacks sglang, which starts the SGLang engines" in result.stderr, result.stderr
+    assert "WARNING: server port" not in result.stderr  # 30000-30080 lie below the ephemeral range
     plan = parse_plan(result.stdout)
     [trainer] = plan["trainer"]
     assert (trainer["node"], trainer["ranks"], trainer["tasks"]) == ("node1", "0-7", "8")
@@ -147,8 +148,12 @@ def test_a_python_without_the_environment_is_named_before_anything_starts(tmp_pa
 
 
 def test_dry_run_llama3_70b_dedicated() -> None:
-    result = dry_run("grpo_llama3_70b.sh", HF_MODEL="/models/llama3-70b")
+    """Also SGLANG_PORT inside the ephemeral port range: the plan uses it, with a warning."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    result = dry_run("grpo_llama3_70b.sh", HF_MODEL="/models/llama3-70b", SGLANG_PORT=str(low + 1))
     assert result.returncode == 0, result.stderr
+    assert f"WARNING: server port {low + 1} (SGLANG_PORT" in result.stderr
+    assert f"lies in the ephemeral port range {low}-{high}" in result.stderr, result.stderr
     plan = parse_plan(result.stdout)
     trainers = plan["trainer"]
     assert [t["node"] for t in trainers] == ["node1", "node2", "node3", "node4"]
@@ -158,6 +163,7 @@ def test_dry_run_llama3_70b_dedicated() -> None:
     assert [e["node"] for e in engines] == ["node5", "node5", "node6", "node6", "node7", "node7",
                                             "node8", "node8"]  # dedicated: none on trainer nodes
     assert [e["gpus"] for e in engines] == ["0,1,2,3", "4,5,6,7"] * 4
+    assert [e["url"].rsplit(":", 1)[1] for e in engines] == [str(low + 1), str(low + 11)] * 4
     for engine in engines:
         assert "--model-path /models/llama3-70b --tp-size 4" in engine["cmd"]
         assert "--enable-memory-saver" not in engine["cmd"]

@@ -13,6 +13,7 @@ import urllib.request
 import psutil
 import pytest
 
+from megatron_grpo.launch.env import free_server_port
 from megatron_grpo.testing.distributed import DistributedChildError, free_port, run_distributed
 from megatron_grpo.rollout.sglang.launcher import SGLangLauncher
 from tests.sglang_harness.fixtures import harness_env, launch_servers, server_settings, trainer_overrides
@@ -73,8 +74,9 @@ def test_trainer_launches_servers_and_router_distributed_sync(tmp_path, policy_d
     """Launched engines behind a launched router; distributed (gloo broadcast) weight sync."""
     run = tmp_path / "run"
     overrides = base_overrides(policy_dir, run, 3) + trainer_overrides() + [
-        "rollout.sglang.num_engines=2", f"rollout.sglang.port={free_port()}", "rollout.sglang.router=true",
-        f"rollout.sglang.router_port={free_port()}", "rollout.sglang.router_policy=round_robin",
+        "rollout.sglang.num_engines=2", f"rollout.sglang.port={free_server_port(count=2)}",
+        "rollout.sglang.router=true",
+        f"rollout.sglang.router_port={free_server_port()}", "rollout.sglang.router_policy=round_robin",
         "rollout.sglang.weight_sync=distributed"]
     records = run_distributed(_train, 2, (overrides,), timeout=900)[0]
     assert_on_policy_steps(records, 3)
@@ -153,7 +155,7 @@ def test_launched_engine_killed_at_random_moments_is_restarted(tmp_path, policy_
     monkeypatch.setenv("HARNESS_FORWARD_DELAY_S", "0.003")  # rollouts take long enough to be hit
     # 2 kills, one per step from step 2 on; 5 steps, so that a kill that lands a step late (a loaded
     # machine) is still followed by a sync that restarts the engine
-    run, port, steps, kills = tmp_path / "run", free_port(), 5, 2
+    run, port, steps, kills = tmp_path / "run", free_server_port(count=2), 5, 2
     overrides = base_overrides(policy_dir, run, steps) + trainer_overrides() + [
         "rollout.sglang.num_engines=2", f"rollout.sglang.port={port}", "rollout.sglang.weight_sync=distributed",
         "rollout.sglang.max_retries=4", "data.max_response_length=16"]

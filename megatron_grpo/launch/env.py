@@ -26,6 +26,7 @@ ranks, a launcher), reserve_port() holds it bound until the listener takes it ov
 from __future__ import annotations
 
 import contextlib
+import random
 import re
 import socket
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ NO_LAUNCHER = "none"
 DEFAULT_MASTER_PORT = 29500  # torchrun's default, used when MPI gives an address but no port
 _SLURM_PORT_BASE = 15000  # ports derived from the job id fall in [15000, 30000): below the
 _SLURM_PORT_SPAN = 15000  # Linux ephemeral range, so a client socket cannot already hold them
+_EPHEMERAL_START = 32768  # Linux's default net.ipv4.ip_local_port_range starts here
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,28 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def free_server_port(host: str = "127.0.0.1", count: int = 1, stride: int = 1) -> int:
+    """A port p below Linux's ephemeral range with p, p + stride, ... (count ports) free now, for
+    servers that a later process starts. free_port() hands out an ephemeral port, which any client
+    socket or srun's own I/O listener (both bind port 0) may take before the server binds it; once
+    srun held an engine's port and answered its health checks ("Insane message length")."""
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(20000, _EPHEMERAL_START - count * stride)
+        if all(_bindable(host, first + k * stride) for k in range(count)):
+            return first
+    raise LaunchError(f"no {count} free ports {stride} apart below {_EPHEMERAL_START} on {host}")
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 @contextlib.contextmanager

@@ -210,6 +210,21 @@ grpo_plan() {
     [ $((GRPO_WORLD % R_MODEL_PARALLEL)) = 0 ] || grpo_die "$GRPO_WORLD trainer ranks ($GRPO_TRAINER_NNODES nodes x $GRPO_TASKS_PER_NODE) are not divisible by parallel.tensor x pipeline x context = $R_MODEL_PARALLEL"
 }
 
+# grpo_check_ports: a server port inside this node's ephemeral range can be taken, before the server
+# binds it, by any client socket; srun's own I/O listeners among them (then srun answers the health
+# checks with "Insane message length"). A warning: the range may differ on the engine nodes.
+grpo_check_ports() {
+    local lo hi port
+    read -r lo hi 2>/dev/null < /proc/sys/net/ipv4/ip_local_port_range || return 0
+    [ "${#GRPO_ENGINE_HOST[@]}" -gt 0 ] || return 0
+    for port in "${GRPO_ENGINE_PORT[@]}" "$R_ROUTER_PORT"; do
+        if [ "$port" -ge "$lo" ] && [ "$port" -le "$hi" ]; then
+            grpo_log "WARNING: server port $port (SGLANG_PORT / rollout.sglang.port, router_port) lies in the ephemeral port range $lo-$hi (net.ipv4.ip_local_port_range), where other sockets may take it first: choose ports below $lo" >&2
+            return 0
+        fi
+    done
+}
+
 # ------------------------------------------------------------------------------ commands
 grpo_engine_url() { printf 'http://%s:%s' "${SGLANG_BIND_HOST:-${GRPO_ENGINE_HOST[$1]}}" "${GRPO_ENGINE_PORT[$1]}"; }
 
@@ -415,6 +430,7 @@ grpo_main() {
     grpo_read_recipe
     grpo_check_engine_python
     grpo_plan
+    grpo_check_ports
     GRPO_RUN_DIR=${GRPO_RUN_DIR:-${OUTPUT_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}/outputs}/${SLURM_JOB_NAME:-grpo}-${SLURM_JOB_ID:-dryrun}}
     GRPO_LOG_DIR=$GRPO_RUN_DIR/logs
     grpo_network_env

@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 import torch
 
 from megatron_grpo.rollout.sglang.launcher import RouterSettings, ServerSettings, SGLangLauncher
-from megatron_grpo.testing.distributed import free_port
+from megatron_grpo.launch.env import free_server_port
 from tests.requirements import missing
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -35,20 +35,22 @@ def server_command() -> tuple[str, ...]:
     return (sglang_python(), "-m", SERVER_MODULE)
 
 
+# Ports below the ephemeral range (free_server_port): a server's port from free_port() could be taken
+# by any client socket of the tests before the server binds it.
 def server_settings(model_dir: str | Path, tp_size: int = 1, extra_args: Sequence[str] = (),
                     api_key: str | None = None, deterministic: bool = True) -> ServerSettings:
-    return ServerSettings(model_path=str(model_dir), tp_size=tp_size, port=free_port(), api_key=api_key,
+    return ServerSettings(model_path=str(model_dir), tp_size=tp_size, port=free_server_port(), api_key=api_key,
                           enable_deterministic_inference=deterministic,
                           # SGLang picks its process-group port near --port at random; several test
                           # servers (and other tests' rendezvous) on one machine can collide there.
-                          extra_args=(*HARNESS_FLAGS, "--nccl-port", str(free_port()), *extra_args),
+                          extra_args=(*HARNESS_FLAGS, "--nccl-port", str(free_server_port()), *extra_args),
                           command=server_command())
 
 
 def router_settings(policy: str = "round_robin", extra_args: Sequence[str] = ()) -> RouterSettings:
     # Its Prometheus exporter binds a fixed port by default: two routers on one machine collide.
-    return RouterSettings(port=free_port(), policy=policy, extra_args=("--prometheus-port", str(free_port()),
-                                                                        *extra_args),
+    return RouterSettings(port=free_server_port(), policy=policy,
+                          extra_args=("--prometheus-port", str(free_server_port()), *extra_args),
                           command=(sglang_python(), "-m", "sglang_router.launch_router"))
 
 
@@ -110,7 +112,7 @@ def trainer_overrides() -> list[str]:
     SGLang venv) instead of `sglang.launch_server` / `sglang_router.launch_router`."""
     return [f"rollout.sglang.launch_command=[{sglang_python()},-m,{SERVER_MODULE},{','.join(HARNESS_FLAGS)}]",
             f"rollout.sglang.router_command=[{sglang_python()},-m,sglang_router.launch_router,"
-            f"--prometheus-port={free_port()}]"]
+            f"--prometheus-port={free_server_port()}]"]
 
 
 def sglang_checksum(tensor: torch.Tensor) -> str:
