@@ -66,19 +66,40 @@ LOCAL_RECIPES = {
     "tiny_cpu_tool": "tests/test_multi_turn.py::test_trainer_logprobs_equal_the_engines_over_multi_turn_trajectories",
 }
 DEFAULTS_ONLY = {"base"}  # merged into others, never run alone
+# Recipes that keep a cluster recipe's layout (model, parallel, engines, placement, sync) and
+# change only algorithm, data and reward settings: the parent's CPU run above covers the layout,
+# the named tests the settings it changes.
+LAYOUT_VARIANTS = {
+    "qwen3_8b_dapo_math": ("qwen3_8b_gsm8k", ("tests/test_dapo_overlong.py::"
+                                              "test_the_penalty_reaches_the_advantages_and_the_filter_reads_the_chosen_metric",
+                                              "tests/test_algo_losses.py", "tests/test_trainer_e2e.py")),
+}
 
 
 def test_every_recipe_is_run_by_a_test():
     shipped = {p.stem for p in (REPO / "recipes").glob("*.yaml")}
-    assert shipped == set(CLUSTER_RECIPES) | set(LOCAL_RECIPES) | DEFAULTS_ONLY, \
-        "a recipe without a test here (add it to CLUSTER_RECIPES or LOCAL_RECIPES), or a stale entry"
-    for recipe, test in LOCAL_RECIPES.items():
-        path, name = test.split("::")
-        assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), f"{recipe}: {test} does not exist"
+    assert shipped == set(CLUSTER_RECIPES) | set(LOCAL_RECIPES) | set(LAYOUT_VARIANTS) | DEFAULTS_ONLY, \
+        "a recipe without a test here (add it to CLUSTER_RECIPES, LOCAL_RECIPES or LAYOUT_VARIANTS), or a stale entry"
+    tests = [*LOCAL_RECIPES.values(), *(t for _, ts in LAYOUT_VARIANTS.values() for t in ts)]
+    for test in tests:
+        path, _, name = test.partition("::")
+        assert (REPO / path).is_file(), test
+        assert not name or re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), f"{test} does not exist"
     from megatron_grpo.config import load_config
 
     for recipe in CLUSTER_RECIPES:
         assert load_config(recipe).rollout.engine == "sglang", recipe
+
+
+def test_layout_variants_keep_their_parents_layout_and_validate_on_it():
+    from megatron_grpo.config import load_config, validate
+
+    for recipe, (parent, _) in LAYOUT_VARIANTS.items():
+        variant, base = load_config(recipe), load_config(parent)
+        for section in ("model", "parallel"):
+            assert getattr(variant, section) == getattr(base, section), (recipe, section)
+        assert variant.rollout.sglang == base.rollout.sglang and variant.rollout.engine == base.rollout.engine
+        validate(variant, world_size=8, ranks_per_node=8)  # the parent's one node of 8 GPUs
 
 
 # ----- the run ----------------------------------------------------------------------------------

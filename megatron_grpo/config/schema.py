@@ -184,7 +184,9 @@ class FilterGroupsConfig:
     """DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts."""
 
     enable: bool = False
-    metric: str = "score"  # the per-sample value whose variance decides (verl: acc | score | seq_reward)
+    # the per-sample value whose variance decides: acc | score = the reward function's score;
+    # seq_reward | seq_final_reward = the score with reward.overlong_buffer's penalty (verl's names)
+    metric: str = "score"
     max_num_gen_batches: int = 0  # generation rounds per step before failing; 0 = no limit (as verl)
 
 
@@ -262,6 +264,20 @@ class RefConfig:
 
 
 @dataclass(frozen=True)
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (rewards/overlong.py; verl's reward_manager=dapo with
+    reward_kwargs.overlong_buffer_cfg): responses in the last `len` tokens before the cap lose up
+    to `penalty_factor` reward, linearly."""
+
+    enable: bool = False
+    len: int = 0  # buffer tokens before the cap (DAPO: 4096 of 20480)
+    penalty_factor: float = 1.0
+    # the cap the buffer ends at (verl's reward_kwargs.max_resp_len); None = data.max_response_length
+    max_response_length: Optional[int] = None
+    log: bool = False  # verl's overlong_buffer_cfg.log; the penalty metrics are always logged here
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     # gsm8k | math | synthetic | by_data_source (each row's scorer by its data_source, as verl's
     # default) | "pkg.module:fn" | "path/to/file.py:fn"
@@ -277,6 +293,7 @@ class RewardConfig:
     # finite number) stops the run; below it, failures score 0 and count in reward/errors/<kind>.
     max_error_frac: float = 0.5
     format_score: float = 0.0
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,14 @@ from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError
 
 GROUP_ESTIMATORS = ("grpo", "rloo")  # need >= 2 samples per prompt to form a baseline
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")  # algorithm.filter_groups.metric
 
 # Keys the schema knows (verl has them) but the trainer does not act on yet. Setting one away from
 # its default is a config error instead of being silently ignored; their values are not checked
 # otherwise. A key leaves this list in the change that wires it.
 NOT_YET_WIRED = (
     "model.transformer_impl", "model.trust_remote_code", "data.apply_chat_template",
-    "algorithm.use_kl_in_reward", "algorithm.filter_groups.metric",
+    "algorithm.use_kl_in_reward",
     "actor.shuffle", "reward.format_score", "checkpoint.async_save", "logging.log_interval",
     "logging.wandb_entity", "logging.wandb_mode", "eval.val_batch_size",
 )
@@ -229,6 +230,10 @@ def _algorithm(c: Config, out: list[str]) -> None:
     if a.adv_estimator in GROUP_ESTIMATORS and c.rollout.n < 2:
         out.append(f"algorithm.adv_estimator={a.adv_estimator} needs rollout.n >= 2 samples per prompt "
                    f"(got {c.rollout.n}; verl's GRPO examples use 5)")
+    if a.filter_groups.metric not in FILTER_METRICS:
+        out.append(f"algorithm.filter_groups.metric={a.filter_groups.metric!r} must be one of "
+                   f"{', '.join(FILTER_METRICS)} (acc and score: the reward function's score; seq_reward and "
+                   f"seq_final_reward: with the overlong penalty)")
     if a.filter_groups.max_num_gen_batches < 0:
         out.append(f"algorithm.filter_groups.max_num_gen_batches={a.filter_groups.max_num_gen_batches} "
                    f"must be >= 0 (0 = no limit)")
@@ -355,6 +360,14 @@ def _reward(c: Config, out: list[str]) -> None:
         out.append(f"reward.num_workers={r.num_workers} must be >= 0 (0 = in-process)")
     if r.timeout_s <= 0:
         out.append(f"reward.timeout_s={r.timeout_s} must be > 0")
+    b = r.overlong_buffer
+    if b.enable:
+        cap = b.max_response_length or c.data.max_response_length
+        if b.len <= 0:
+            out.append(f"reward.overlong_buffer.len={b.len} must be > 0 with reward.overlong_buffer.enable=true")
+        elif b.len > cap:
+            out.append(f"reward.overlong_buffer.len={b.len} is longer than the response cap {cap} "
+                       "(reward.overlong_buffer.max_response_length, else data.max_response_length)")
 
 
 def _checkpoint(c: Config, out: list[str]) -> None:

@@ -334,10 +334,25 @@ def _strategy(value: Any, given: Mapping[str, Any], key: str) -> Translation:
 
 
 def _reward_manager(value: Any, given: Mapping[str, Any], key: str) -> Translation:
-    if value in ("naive", "batch"):
-        return Translation({})
+    if value in ("naive", "batch", "dapo"):
+        return Translation({})  # dapo: naive + its overlong_buffer_cfg (reward.overlong_buffer)
     return Translation({}, f"reward manager {value!r} is not supported: each function is called per sample, or "
-                           "batched when its parameters are plural (data_sources, solution_strs, ...)")
+                           "batched when its parameters are plural (data_sources, solution_strs, ...); dapo's "
+                           "overlong penalty is reward.overlong_buffer")
+
+
+def _dapo_manager(given: Mapping[str, Any]) -> bool:
+    """verl reads reward_kwargs.overlong_buffer_cfg / max_resp_len only in its dapo reward manager."""
+    return "dapo" in (given.get("reward_model.reward_manager"), given.get("reward.reward_manager.name"))
+
+
+def _overlong(value: Any, given: Mapping[str, Any], key: str) -> Translation:
+    """reward_kwargs.overlong_buffer_cfg.<name> and reward_kwargs.max_resp_len -> reward.overlong_buffer."""
+    name = key.rsplit(".", 1)[1]
+    ours = "reward.overlong_buffer." + ("max_response_length" if name == "max_resp_len" else name)
+    if not _dapo_manager(given):
+        return Translation({}, "no effect: only verl's dapo reward manager (reward_manager=dapo) reads it")
+    return Translation({ours: value})
 
 
 def _data_source_key(value: Any, given: Mapping[str, Any], key: str) -> Translation:
@@ -649,8 +664,19 @@ TABLE: tuple[VerlKey, ...] = (
          added=True),
     same("reward.custom_reward_function.reward_kwargs", "reward.kwargs", added=True),
     same("reward.num_workers", "reward.num_workers", "worker processes (0 = in the trainer)"),
-    conv("reward.reward_manager.name", (), "naive and batch (the batched form is detected)", _reward_manager),
+    conv("reward.reward_manager.name", (), "naive, batch and dapo (its overlong_buffer_cfg is "
+         "reward.overlong_buffer)", _reward_manager),
     none("reward.reward_manager.*", "custom reward managers are not supported"),
+    conv("reward_model.reward_manager", (), "naive, batch and dapo (its overlong_buffer_cfg is "
+         "reward.overlong_buffer)", _reward_manager),
+    *(conv(f"{section}.reward_kwargs.overlong_buffer_cfg.{name}", (f"reward.overlong_buffer.{name}",),
+           "with reward_manager=dapo", _overlong, added=True)  # `+...` keys: not in verl's yaml
+      for section in ("reward", "reward_model") for name in ("enable", "len", "penalty_factor", "log")),
+    *(conv(f"{section}.reward_kwargs.max_resp_len", ("reward.overlong_buffer.max_response_length",),
+           "with reward_manager=dapo: the cap the overlong buffer ends at", _overlong, added=True)
+      for section in ("reward", "reward_model")),
+    none("reward.reward_kwargs.*", "read by custom reward managers, which are not supported", added=True),
+    none("reward_model.reward_kwargs.*", "read by custom reward managers, which are not supported", added=True),
     none("reward.reward_model.*", _NO_RM), none("reward_model.*", _NO_RM),
     none("reward.sandbox_fusion.*", _NO_SANDBOX), none("sandbox_fusion.*", _NO_SANDBOX),
     # -- trainer -----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from megatron_grpo.config import to_dict
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import RolloutFailure
 from megatron_grpo.launch.collectives import agree, attempt_on_rank0, on_rank0, rank0_only
+from megatron_grpo.rewards.overlong import OverlongPenalty
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.trainer.batches.batching import MicroBatch
 from megatron_grpo.trainer.step.flops import peak_flops_per_device, training_flops
@@ -180,7 +181,17 @@ def rollout_settings(cfg: Config) -> RolloutSettings:
                            advantage_config=AdvantageConfig(norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo),
                            filter_groups=cfg.algorithm.filter_groups.enable,
                            max_generation_rounds=cfg.algorithm.filter_groups.max_num_gen_batches,
-                           routing_replay=cfg.actor.moe_routing_replay, multi_turn=multi_turn_settings(cfg))
+                           routing_replay=cfg.actor.moe_routing_replay, multi_turn=multi_turn_settings(cfg),
+                           overlong=overlong_penalty(cfg),
+                           filter_on_penalised=cfg.algorithm.filter_groups.metric in ("seq_reward", "seq_final_reward"))
+
+
+def overlong_penalty(cfg: Config) -> OverlongPenalty | None:
+    b = cfg.reward.overlong_buffer
+    if not b.enable:
+        return None
+    return OverlongPenalty(max_response_length=b.max_response_length or cfg.data.max_response_length,
+                           length=b.len, penalty_factor=b.penalty_factor)
 
 
 def grpo_loss_config(cfg: Config) -> GRPOLossConfig:

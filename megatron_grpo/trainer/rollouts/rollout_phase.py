@@ -20,6 +20,7 @@ from megatron_grpo.algo import AdvantageConfig, compute_advantages, filter_zero_
 from megatron_grpo.data.prompts import EncodedPrompt
 from megatron_grpo.errors import MegatronGRPOError
 from megatron_grpo.launch.cpu import cuda_redirect_paused
+from megatron_grpo.rewards.overlong import OverlongPenalty, overlong_metrics
 from megatron_grpo.rewards.runner import RewardRequest, RewardRunner
 from megatron_grpo.rollout.engine import RolloutEngine
 from megatron_grpo.rollout.types import GenerationRequest, Sample, SamplingParams, derive_sample_seed
@@ -39,6 +40,11 @@ class RolloutSettings:
     routing_replay: bool = False
     # rollout.multi_turn (multi_turn_settings below): episodes against an environment; None = single-turn
     multi_turn: "MultiTurnSettings | None" = None
+    # reward.overlong_buffer: DAPO's length penalty, added to each score; None = off
+    overlong: OverlongPenalty | None = None
+    # algorithm.filter_groups.metric seq_reward / seq_final_reward: the filter reads the penalised
+    # score; acc / score: the reward function's own
+    filter_on_penalised: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,12 +105,18 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
             samples, round_scores, round_metrics = _single_turn_round(
                 engine, prompts, tokenizer, rewards, settings, step, rounds, timings, in_trainer_thread)
             masks = [None] * len(samples)
+        own_scores = torch.tensor(round_scores, dtype=torch.float64)
+        if settings.overlong is not None:
+            penalties = settings.overlong.penalties([len(s.response_ids) for s in samples])
+            round_scores = [score + penalty for score, penalty in zip(round_scores, penalties)]
+            round_metrics.update(overlong_metrics(penalties))
         scores = torch.tensor(round_scores, dtype=torch.float64)
         if first_round_stats is None:
             first_round_stats = _reward_stats(scores, [s.group_id for s in samples], settings.n)
             metrics.update(round_metrics)
         if settings.filter_groups:
-            keep = filter_zero_variance_groups(scores, [s.group_id for s in samples]).keep.tolist()
+            filtered_by = scores if settings.filter_on_penalised else own_scores
+            keep = filter_zero_variance_groups(filtered_by, [s.group_id for s in samples]).keep.tolist()
         else:
             keep = [True] * len(samples)
         if min_weight_version is not None:
