@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from megatron_grpo.rollout.sglang.verify import WeightSample, WeightVerification
 from megatron_grpo.rollout.sglang.weight_sync import (DiskTransport, DistributedTransport, EngineTarget,
                                                       TensorTransport, update_weights)
 from megatron_grpo.rollout.types import GenerationRequest, SamplingParams, derive_sample_seed
+from megatron_grpo.launch.env import free_server_port
 from megatron_grpo.testing.distributed import free_port
 from tests.sglang_harness.fixtures import (LONG_CONTEXT, launch_servers, save_long_context_model, server_settings,
                                            sglang_checksum, sglang_python)
@@ -287,20 +287,6 @@ def test_distributed_transport_opens_the_weight_update_session(servers):
     transport.close()
 
 
-def free_port_pair() -> int:
-    """A free port p with p + 1 free too. free_port() alone left p + 1 to chance: once it was taken,
-    stage 1's group could not form and SGLang's scheduler waited on it, hanging the later tests."""
-    for _ in range(100):
-        port = free_port()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports found")
-
-
 def test_one_group_per_pipeline_stage_in_parallel(servers):
     """Two stages push disjoint halves of the weights through their own groups at the same time."""
     url = servers["det"]
@@ -308,7 +294,7 @@ def test_one_group_per_pipeline_stage_in_parallel(servers):
     names = list(model.state_dict())
     halves = [names[: len(names) // 2], names[len(names) // 2:]]
     client = SGLangClient([url])
-    base_port = free_port_pair()  # stage s uses base_port + s: both must be free
+    base_port = free_server_port(count=2)  # stage s uses base_port + s: both must be free
     transports = [DistributedTransport.for_pipeline_stage(client, [EngineTarget(url)], "127.0.0.1", base_port, s,
                                                           backend="gloo", bucket_bytes=32 * 1024, timeout_s=60)
                   for s in range(2)]

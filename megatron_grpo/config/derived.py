@@ -80,3 +80,9 @@ def values_at(c: Config, keys) -> list[tuple[str, object, object]]:
             value, default = getattr(value, part), getattr(default, part)
         out.append((key, value, default))
     return out
+
+
+def overlong_cap(c: Config) -> int:
+    """The response length reward.overlong_buffer's penalty ends at (its max_response_length, else
+    data.max_response_length)."""
+    return c.reward.overlong_buffer.max_response_length or c.data.max_response_length

@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from megatron_grpo.config.derived import values_at
+from megatron_grpo.config.derived import overlong_cap, values_at
 from megatron_grpo.config.model_dims import hf_config_file, model_dims
 from megatron_grpo.config.names import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, REWARD_FUNCTIONS, check_name, unknown_name
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError
 
 GROUP_ESTIMATORS = ("grpo", "rloo")  # need >= 2 samples per prompt to form a baseline
-FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")  # algorithm.filter_groups.metric
+# algorithm.filter_groups.metric: the reward function's own score, or the score with the overlong penalty
+PENALISED_FILTER_METRICS = ("seq_reward", "seq_final_reward")
+FILTER_METRICS = ("acc", "score", *PENALISED_FILTER_METRICS)
 
 # Keys the schema knows (verl has them) but the trainer does not act on yet. Setting one away from
 # its default is a config error instead of being silently ignored; their values are not checked
@@ -362,7 +364,7 @@ def _reward(c: Config, out: list[str]) -> None:
         out.append(f"reward.timeout_s={r.timeout_s} must be > 0")
     b = r.overlong_buffer
     if b.enable:
-        cap = b.max_response_length or c.data.max_response_length
+        cap = overlong_cap(c)
         if b.len <= 0:
             out.append(f"reward.overlong_buffer.len={b.len} must be > 0 with reward.overlong_buffer.enable=true")
         elif b.len > cap:

@@ -43,6 +43,7 @@ DEFAULT_MASTER_PORT = 29500  # torchrun's default, used when MPI gives an addres
 _SLURM_PORT_BASE = 15000  # ports derived from the job id fall in [15000, 30000): below the
 _SLURM_PORT_SPAN = 15000  # Linux ephemeral range, so a client socket cannot already hold them
 _EPHEMERAL_START = 32768  # Linux's default net.ipv4.ip_local_port_range starts here
+_SERVER_PORT_START = 20000  # free_server_port picks from [20000, 32768)
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def free_server_port(host: str = "127.0.0.1", count: int = 1, stride: int = 1) -
     srun held an engine's port and answered its health checks ("Insane message length")."""
     rng = random.Random()
     for _ in range(200):
-        first = rng.randrange(20000, _EPHEMERAL_START - count * stride)
+        first = rng.randrange(_SERVER_PORT_START, _EPHEMERAL_START - count * stride)
         if all(_bindable(host, first + k * stride) for k in range(count)):
             return first
     raise LaunchError(f"no {count} free ports {stride} apart below {_EPHEMERAL_START} on {host}")

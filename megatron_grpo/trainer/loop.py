@@ -19,7 +19,9 @@ import torch.distributed as dist
 
 from megatron_grpo.algo import AdvantageConfig, GlobalBatchInfo, GRPOLossConfig, PolicyLossConfig
 from megatron_grpo.config import to_dict
+from megatron_grpo.config.derived import overlong_cap
 from megatron_grpo.config.schema import Config
+from megatron_grpo.config.validate import PENALISED_FILTER_METRICS
 from megatron_grpo.errors import RolloutFailure
 from megatron_grpo.launch.collectives import agree, attempt_on_rank0, on_rank0, rank0_only
 from megatron_grpo.rewards.overlong import OverlongPenalty
@@ -183,15 +185,14 @@ def rollout_settings(cfg: Config) -> RolloutSettings:
                            max_generation_rounds=cfg.algorithm.filter_groups.max_num_gen_batches,
                            routing_replay=cfg.actor.moe_routing_replay, multi_turn=multi_turn_settings(cfg),
                            overlong=overlong_penalty(cfg),
-                           filter_on_penalised=cfg.algorithm.filter_groups.metric in ("seq_reward", "seq_final_reward"))
+                           filter_on_penalised=cfg.algorithm.filter_groups.metric in PENALISED_FILTER_METRICS)
 
 
 def overlong_penalty(cfg: Config) -> OverlongPenalty | None:
     b = cfg.reward.overlong_buffer
     if not b.enable:
         return None
-    return OverlongPenalty(max_response_length=b.max_response_length or cfg.data.max_response_length,
-                           length=b.len, penalty_factor=b.penalty_factor)
+    return OverlongPenalty(max_response_length=overlong_cap(cfg), length=b.len, penalty_factor=b.penalty_factor)
 
 
 def grpo_loss_config(cfg: Config) -> GRPOLossConfig:
