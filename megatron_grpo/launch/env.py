@@ -43,7 +43,7 @@ DEFAULT_MASTER_PORT = 29500  # torchrun's default, used when MPI gives an addres
 _SLURM_PORT_BASE = 15000  # ports derived from the job id fall in [15000, 30000): below the
 _SLURM_PORT_SPAN = 15000  # Linux ephemeral range, so a client socket cannot already hold them
 _EPHEMERAL_START = 32768  # Linux's default net.ipv4.ip_local_port_range starts here
-_SERVER_PORT_START = 20000  # free_server_port picks from [20000, 32768)
+_SERVER_PORT_START = 20000  # free_server_port picks from [20000, the ephemeral range)
 
 
 @dataclass(frozen=True)
@@ -112,16 +112,26 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def free_server_port(host: str = "127.0.0.1", count: int = 1, stride: int = 1) -> int:
-    """A port p below Linux's ephemeral range with p, p + stride, ... (count ports) free now, for
-    servers that a later process starts. free_port() hands out an ephemeral port, which any client
-    socket or srun's own I/O listener (both bind port 0) may take before the server binds it; once
-    srun held an engine's port and answered its health checks ("Insane message length")."""
+    """A port p below this machine's ephemeral range with p, p + stride, ... (count ports) free now,
+    for servers that a later process starts. free_port() hands out an ephemeral port, which any
+    client socket or srun's own I/O listener (both bind port 0) may take before the server binds
+    it; once srun held an engine's port and answered its health checks ("Insane message length")."""
+    end = ephemeral_range_start() - count * stride
+    start = _SERVER_PORT_START if end - _SERVER_PORT_START >= 1000 else 1024
     rng = random.Random()
     for _ in range(200):
-        first = rng.randrange(_SERVER_PORT_START, _EPHEMERAL_START - count * stride)
+        first = rng.randrange(start, end)
         if all(_bindable(host, first + k * stride) for k in range(count)):
             return first
-    raise LaunchError(f"no {count} free ports {stride} apart below {_EPHEMERAL_START} on {host}")
+    raise LaunchError(f"no {count} free ports {stride} apart in [{start}, {end}) on {host}")
+
+
+def ephemeral_range_start() -> int:
+    """The first port of net.ipv4.ip_local_port_range (Linux's default 32768 where it is unreadable)."""
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _EPHEMERAL_START
 
 
 def _bindable(host: str, port: int) -> bool:
