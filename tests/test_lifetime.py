@@ -87,20 +87,25 @@ def test_reward_worker_mid_call_dies_with_killed_parent(tmp_path):
 
 
 def test_forked_child_takes_sigterm_and_dies_with_killed_parent(tmp_path):
+    """The first child's SIGTERM arrives at the worst moment: right after the fork, before the
+    product's after-fork hook resets the handlers (a hook registered earlier runs first and sends
+    it), as a SIGTERM sent to a just-started child can on a loaded machine."""
     parent = _start("""
-        import multiprocessing, time
+        import multiprocessing, os, signal, time
+        early_sigterm = [True]
+        os.register_at_fork(after_in_child=lambda: early_sigterm[0] and os.kill(os.getpid(), signal.SIGTERM))
         from megatron_grpo.trainer.signals import StopSignals
         stop = StopSignals().install()  # the trainer's flag-only SIGTERM / SIGUSR1 handlers
         fork = multiprocessing.get_context("fork")
         children = [fork.Process(target=time.sleep, args=(120,)) for _ in range(2)]
-        for child in children:
-            child.start()
+        children[0].start()
+        early_sigterm[0] = False
+        children[1].start()
         print(children[0].pid, children[1].pid, flush=True)
         time.sleep(120)
     """, tmp_path)
     first, second = map(int, parent.stdout.readline().split())
     try:
-        os.kill(first, signal.SIGTERM)
         assert _wait_gone([first], 5.0) == [], "a forked child inherited the flag-only SIGTERM handler"
         assert _alive(second)
         parent.kill()

@@ -80,20 +80,31 @@ def preexec_die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | N
 
 # ---------------------------------------------------------------------------------- forked children
 # Written by the fork hook in the parent just before a fork; the child reads its copy.
-_fork = {"installed": False, "parent_pid": None, "from_main_thread": False}
+_fork = {"installed": False, "parent_pid": None, "from_main_thread": False, "signal_mask": None}
 
 
 def _before_fork() -> None:
     _fork["parent_pid"] = os.getpid()
     _fork["from_main_thread"] = threading.current_thread() is threading.main_thread()
+    # A SIGTERM reaching the child before its hook below resets the handlers would run the inherited
+    # flag-only handler (or be dropped by CPython's own after-fork cleanup), so the child would live
+    # on: the forking thread holds the signals blocked across the fork; they stay pending in the child.
+    _fork["signal_mask"] = signal.pthread_sigmask(signal.SIG_BLOCK, _RESET_IN_FORKED_CHILD)
+
+
+def _after_fork_in_parent() -> None:
+    signal.pthread_sigmask(signal.SIG_SETMASK, _fork["signal_mask"])
 
 
 def _after_fork_in_child() -> None:
-    for sig in _RESET_IN_FORKED_CHILD:
-        if callable(signal.getsignal(sig)):
-            signal.signal(sig, signal.SIG_DFL)
-    if _fork["from_main_thread"] and _fork["parent_pid"] is not None:
-        die_with_parent(_fork["parent_pid"], signal.SIGKILL)
+    try:
+        for sig in _RESET_IN_FORKED_CHILD:
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+        if _fork["from_main_thread"] and _fork["parent_pid"] is not None:
+            die_with_parent(_fork["parent_pid"], signal.SIGKILL)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, _fork["signal_mask"])  # a pending SIGTERM is delivered now
 
 
 def tie_forked_children() -> bool:
@@ -103,7 +114,8 @@ def tie_forked_children() -> bool:
     if _prctl() is None:
         return False
     if not _fork["installed"]:
-        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                           after_in_child=_after_fork_in_child)
         _fork["installed"] = True
     return True
 
