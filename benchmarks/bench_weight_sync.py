@@ -34,7 +34,6 @@ from megatron_grpo.rollout.local import LocalEngine  # noqa: E402
 from megatron_grpo.rollout.sglang.client import SGLangClient  # noqa: E402
 from megatron_grpo.rollout.sglang.weight_sync import (DiskTransport, DistributedTransport, EngineTarget,  # noqa: E402
                                                       TensorTransport, update_weights)
-from megatron_grpo.testing.distributed import free_port  # noqa: E402
 from tests.sglang_harness.fixtures import launch_servers, server_settings  # noqa: E402
 from tests.tiny_hf import char_tokenizer  # noqa: E402
 
@@ -158,7 +157,7 @@ def main() -> None:
             client = SGLangClient([settings.url])
             bucket = args.bucket_mb * 2**20
             target = EngineTarget(settings.url)
-            dist = DistributedTransport(client, [target], "127.0.0.1", free_port(), backend="gloo",
+            dist = DistributedTransport(client, [target], "127.0.0.1", 0, backend="gloo",
                                         bucket_bytes=bucket, group_name="bench")
             dist.connect()
             version = iter(range(2, 10_000))

@@ -30,7 +30,6 @@ from megatron_grpo.rollout.sglang.verify import WeightSample, WeightVerification
 from megatron_grpo.rollout.sglang.weight_sync import (DiskTransport, DistributedTransport, EngineTarget,
                                                       TensorTransport, update_weights)
 from megatron_grpo.rollout.types import GenerationRequest, SamplingParams, derive_sample_seed
-from megatron_grpo.launch.env import free_server_port
 from megatron_grpo.testing.distributed import free_port
 from tests.sglang_harness.fixtures import (LONG_CONTEXT, launch_servers, save_long_context_model, server_settings,
                                            sglang_checksum, sglang_python)
@@ -273,7 +272,7 @@ def test_distributed_transport_opens_the_weight_update_session(servers):
     urls = [servers["det"], servers["tp2"]]
     client = SGLangClient(urls)
     targets = [EngineTarget(servers["det"]), EngineTarget(servers["tp2"], tp_size=2)]
-    transport = DistributedTransport(client, targets, "127.0.0.1", free_port(), group_name="test-dist",
+    transport = DistributedTransport(client, targets, "127.0.0.1", 0, group_name="test-dist",
                                      backend="gloo", bucket_bytes=64 * 1024, timeout_s=60)
     assert transport.world_size == 4  # trainer rank 0, engine 1 at rank 1, engine 2's TP ranks at 2 and 3
     transport.connect()
@@ -294,8 +293,7 @@ def test_one_group_per_pipeline_stage_in_parallel(servers):
     names = list(model.state_dict())
     halves = [names[: len(names) // 2], names[len(names) // 2:]]
     client = SGLangClient([url])
-    base_port = free_server_port(count=2)  # stage s uses base_port + s: both must be free
-    transports = [DistributedTransport.for_pipeline_stage(client, [EngineTarget(url)], "127.0.0.1", base_port, s,
+    transports = [DistributedTransport.for_pipeline_stage(client, [EngineTarget(url)], "127.0.0.1", s,
                                                           backend="gloo", bucket_bytes=32 * 1024, timeout_s=60)
                   for s in range(2)]
     errors = []
@@ -438,7 +436,7 @@ def test_verification_names_a_tensor_the_engine_skipped(servers):
     """SGLang's load_weights skips names it does not know without an error: verification catches it."""
     url = servers["det"]
     client = SGLangClient([url])
-    engine = SGLangEngine(client, DistributedTransport(client, [EngineTarget(url)], "127.0.0.1", free_port(),
+    engine = SGLangEngine(client, DistributedTransport(client, [EngineTarget(url)], "127.0.0.1", 0,
                                                        group_name="test-verify", backend="gloo", timeout_s=60),
                           options=NO_PROBE)
     engine.transport.connect()

@@ -3,7 +3,14 @@
 (megatron-grpo-pp<stage>) into one engine, inside ONE begin/end session; the engine then holds
 bitwise what the rank-0 route (gather_hf_weights_on_rank0) and the policy's HF files hold. A
 stage whose push the engine refuses fails the sync on every rank (no hang), and the engine keeps
-serving."""
+serving. With two engines whose requests arrive in opposite stage orders the stages still form
+their groups and push (in turn), where at once they deadlocked."""
+import http.server
+import threading
+import time
+import urllib.error
+import urllib.request
+
 import pytest
 
 from megatron_grpo.testing.distributed import run_distributed
@@ -25,7 +32,6 @@ def _sync_into_sglang(rank, world_size, url, model_dir, break_stage):
     from megatron_grpo.rollout.sglang.engine import EngineOptions, SGLangEngine
     from megatron_grpo.rollout.sglang.http_json import request_json
     from megatron_grpo.rollout.sglang.weight_sync import DistributedTransport, EngineTarget
-    from megatron_grpo.testing.distributed import free_port
     from megatron_grpo.launch.collectives import all_gather_objects as all_gather
     from megatron_grpo.trainer.sync.stage_sync import StageSync
     from megatron_grpo.trainer.sync.weight_sync import sync_weights
@@ -39,7 +45,7 @@ def _sync_into_sglang(rank, world_size, url, model_dir, break_stage):
     engine = None
     if rank == 0:  # as trainer/engines/sglang_setup.py builds it for weight_sync=distributed
         client = SGLangClient([url])
-        transport = DistributedTransport(client, [EngineTarget(url)], "127.0.0.1", free_port(), backend="gloo",
+        transport = DistributedTransport(client, [EngineTarget(url)], "127.0.0.1", 0, backend="gloo",
                                          bucket_bytes=2**16, timeout_s=60)
         transport.connect()
         engine = SGLangEngine(client, transport, options=EngineOptions(health_check_interval_s=0))
@@ -80,10 +86,16 @@ def policy_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(policy_dirs, tmp_path_factory):
-    launcher = launch_servers(tmp_path_factory.mktemp("logs"), [server_settings(policy_dirs[1])])
-    yield launcher.servers[0].url
+def servers(policy_dirs, tmp_path_factory):
+    """Two engines serving the other weights (seed 2), started at once."""
+    launcher = launch_servers(tmp_path_factory.mktemp("logs"), [server_settings(policy_dirs[1]) for _ in range(2)])
+    yield [server.url for server in launcher.servers]
     launcher.shutdown(grace_s=2)
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 def _hf_checksums(model_dir):
@@ -120,3 +132,107 @@ def test_a_failing_stage_push_fails_the_sync_on_every_rank(server, policy_dirs):
     # Not taken as a version (SGLang itself stamps each bucket it loaded: stage 0's were), and the
     # session was closed and generation continued: the engine still serves.
     assert results[0]["engine_version"] == 0 and results[0]["healthy"], results[0]["health"]
+
+
+class _DelayingHop:
+    """An HTTP hop in front of one engine that passes every request on, holding
+    /init_weights_update_group of one group for `delay_s` first: the network delivering the two
+    stages' requests to this engine in the other order."""
+
+    def __init__(self, engine_url: str, held_group: str, delay_s: float):
+        hop = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self._forward(None)
+
+            def do_POST(self):
+                self._forward(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+            def _forward(self, body):
+                if self.path == "/init_weights_update_group" and held_group.encode() in body:
+                    time.sleep(delay_s)
+                headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "authorization")}
+                request = urllib.request.Request(engine_url + self.path, data=body, headers=headers,
+                                                 method=self.command)
+                try:
+                    with urllib.request.urlopen(request, timeout=120) as answer:
+                        status, payload = answer.status, answer.read()
+                except urllib.error.HTTPError as error:
+                    status, payload = error.code, error.read()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=hop.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _sync_two_engines_per_stage(rank, world_size, urls, hop_urls, model_dir):
+    """The trainer's own per-stage path (connect_stage_sync, sync_weights) at PP=2 into two engines;
+    the stage senders reach them through the hops."""
+    import dataclasses
+
+    from megatron_grpo.config import load_config
+    from megatron_grpo.convert.export import gather_hf_weights_on_rank0
+    from megatron_grpo.convert.loader import load_hf_weights
+    from megatron_grpo.launch import ParallelLayout, initialize_model_parallel
+    from megatron_grpo.models import ModelArchitecture, build_model
+    from megatron_grpo.rollout.sglang.client import SGLangClient
+    from megatron_grpo.rollout.sglang.engine import EngineOptions, SGLangEngine
+    from megatron_grpo.rollout.sglang.weight_sync import DistributedTransport, EngineTarget
+    from megatron_grpo.trainer.sync.stage_sync import connect_stage_sync
+    from megatron_grpo.trainer.sync.weight_sync import sync_weights
+    from tests.sglang_harness.fixtures import engine_checksums, sglang_checksum
+
+    initialize_model_parallel(ParallelLayout(tensor=1, pipeline=2), seed=3)
+    cfg = ModelArchitecture.from_hf(model_dir, tensor_parallel=1, vocab_multiple=8)
+    chunks = build_model(cfg)
+    load_hf_weights(chunks, cfg, model_dir)
+    recipe = load_config("tiny_cpu", ["rollout.engine=sglang", "rollout.sglang.weight_sync=distributed",
+                                      "parallel.pipeline=2", f"rollout.sglang.urls=[{','.join(urls)}]"])
+    engine = None
+    if rank == 0:  # as trainer/engines/sglang_setup.py builds it, the groups' timeout short
+        client = SGLangClient(urls)
+        transport = DistributedTransport(client, [EngineTarget(u) for u in urls], "127.0.0.1", 0, backend="gloo",
+                                         bucket_bytes=2**16, timeout_s=20)
+        transport.connect()
+        engine = SGLangEngine(client, transport, options=EngineOptions(health_check_interval_s=0))
+        stage_endpoint = engine.stage_endpoint
+        engine.stage_endpoint = lambda: dataclasses.replace(
+            stage_endpoint(), targets=tuple(EngineTarget(u) for u in hop_urls))
+    stage_sync = connect_stage_sync(recipe, type("Rank0", (), {"engine": engine}) if rank == 0 else None)
+    run = type("Run", (), {"stage_sync": stage_sync, "engine": engine, "policy": chunks, "model_config": cfg})
+    metrics = sync_weights(run, version=6, attempts=1)
+    reference = {n: sglang_checksum(t) for n, t in gather_hf_weights_on_rank0(chunks, cfg)}
+    stage_sync.close()
+    if rank != 0:
+        return None
+    engine.close()
+    return {"metrics": metrics, "reference": reference, "engines": [engine_checksums(url)[0] for url in urls]}
+
+
+def test_two_engines_get_the_stages_requests_in_opposite_orders(servers, policy_dirs):
+    """Engine 0 receives stage 0's group request 2 s before stage 1's, engine 1 the reverse. Opened
+    at once, each engine's scheduler joined the group the other had not (and waited there); in turn,
+    both stages form their groups and every tensor arrives bitwise in both engines."""
+    hops = [_DelayingHop(url, f"megatron-grpo-pp{1 - k}", delay_s=2.0) for k, url in enumerate(servers)]
+    try:
+        result = run_distributed(_sync_two_engines_per_stage, world_size=2, timeout=120,
+                                 args=(servers, [h.url for h in hops], str(policy_dirs[0])))[0]
+    finally:
+        for hop in hops:
+            hop.close()
+    assert result["metrics"]["sync/stages"] == 2
+    reference = result["reference"]
+    for engine in result["engines"]:
+        assert {n: engine.get(n) for n in reference} == reference

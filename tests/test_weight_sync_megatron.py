@@ -18,7 +18,6 @@ def _push_to_servers(chunks, cfg, urls, sync_dir):
     from megatron_grpo.rollout.sglang.client import SGLangClient
     from megatron_grpo.rollout.sglang.weight_sync import (DiskTransport, DistributedTransport, EngineTarget,
                                                           update_weights)
-    from megatron_grpo.testing.distributed import free_port
 
     digests = []
     for index, url in enumerate(urls):
@@ -26,7 +25,7 @@ def _push_to_servers(chunks, cfg, urls, sync_dir):
         if dist.get_rank() == 0:
             client = SGLangClient([url])
             if index == 0:
-                transport = DistributedTransport(client, [EngineTarget(url)], "127.0.0.1", free_port(), backend="gloo")
+                transport = DistributedTransport(client, [EngineTarget(url)], "127.0.0.1", 0, backend="gloo")
                 transport.connect()
             else:
                 transport = DiskTransport(client, [EngineTarget(url)], sync_dir)

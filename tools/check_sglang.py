@@ -37,7 +37,6 @@ from megatron_grpo.rollout.sglang.verify import WeightSample, verify_engines  # 
 from megatron_grpo.rollout.sglang.weight_sync import (DiskTransport, DistributedTransport, EngineTarget,  # noqa: E402
                                                       TensorTransport, update_weights)
 from megatron_grpo.rollout.types import GenerationRequest, SamplingParams  # noqa: E402
-from megatron_grpo.testing.distributed import free_port  # noqa: E402
 
 PROMPT_TEXTS = ["Hello, world! What is 2+2?", "The quick brown fox"]
 
@@ -136,7 +135,7 @@ class Checker:
 
     def distributed(self) -> str:
         transport = DistributedTransport(self.client, [EngineTarget(self.url, self.args.tp_size)],
-                                         self.args.master_address, free_port(), backend=self.args.backend,
+                                         self.args.master_address, 0, backend=self.args.backend,
                                          group_name="check-sglang", timeout_s=300)
         transport.device = self.device if self.args.backend == "nccl" else torch.device("cpu")
         transport.connect()

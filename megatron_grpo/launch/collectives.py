@@ -7,6 +7,7 @@
     rank0_only(fn, *args)           the same, the result staying on rank 0
     attempt_on_rank0 / agree        the two halves, for rank-0 work that interleaves with
                                     collectives (a weight push while every rank drains the export)
+    in_turns(turn, turns, fn)       fn on every rank, all at once or turn by turn (barriers)
 
 The error rule (Invariants, "Every rank stops together", docs/architecture.md): a project error
 (MegatronGRPOError) on rank 0 reaches every rank as itself; any other exception is a bug: rank 0
@@ -46,6 +47,20 @@ def raise_if_any_failed(message: Optional[str], error: type[MegatronGRPOError] =
     if failures:
         rank, first = failures[0]
         raise error(first if dist.get_world_size() == 1 else f"rank {rank}: {first}")
+
+
+def in_turns(turn: Optional[int], num_turns: int, fn: Callable[[], T]) -> T:
+    """Collective: fn() on every rank. turn None: all at once; else the ranks of turn 0 first, then
+    those of turn 1, ... with a barrier between turns. fn must not raise (return the failure): a
+    rank that left the loop would leave the others waiting at a barrier."""
+    if turn is None:
+        return fn()
+    result = None
+    for current in range(num_turns):
+        if current == turn:
+            result = fn()
+        dist.barrier()
+    return result
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Every transport consumes one stream of HF-named full tensors (the exporter's out
 - DistributedTransport: a process group of its own (trainer rank 0 + every engine TP rank) built
   to match /init_weights_update_group; per bucket, POST /update_weights_from_distributed with
   names/dtypes/shapes and broadcast the tensors from rank 0. One instance (group name, port) per
-  pipeline stage lets the stages push their own layers in parallel.
+  pipeline stage lets the stages push their own layers in parallel. Port 0 (the usual): the store
+  binds a port the OS picks, before the engines are told it.
 - TensorTransport: per bucket a flattened_bucket payload serialized with ForkingPickler (CUDA IPC
   handles on GPU, shared memory on CPU), one entry per engine TP rank, to
   /update_weights_from_tensor, all made by this process (a multi-rank trainer's colocated engines
@@ -30,7 +31,7 @@ from megatron_grpo.convert.writer import write_hf_folder
 from megatron_grpo.rollout.sglang.buckets import iter_buckets, tensor_bytes
 from megatron_grpo.rollout.sglang.client import SGLangClient
 from megatron_grpo.rollout.sglang.errors import SGLangError
-from megatron_grpo.rollout.sglang.process_group import destroy_process_group, init_custom_process_group
+from megatron_grpo.rollout.sglang.process_group import destroy_process_group, host_store, init_custom_process_group
 from megatron_grpo.rollout.sglang.serialization import serialize, tensor_payload
 from megatron_grpo.rollout.sglang.update_session import UpdateSession
 
@@ -84,7 +85,8 @@ class DistributedTransport(WeightTransport):
                  timeout_s: float = 600.0):
         self.client = client
         self.targets = list(targets)
-        self.master_address, self.master_port = master_address, master_port
+        # master_port is the port of the group now formed; requested_port what each connect() asks for.
+        self.master_address, self.master_port, self.requested_port = master_address, master_port, master_port
         self.group_name, self.backend = group_name, backend
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
@@ -95,9 +97,9 @@ class DistributedTransport(WeightTransport):
 
     @classmethod
     def for_pipeline_stage(cls, client: SGLangClient, targets: Sequence[EngineTarget], master_address: str,
-                           base_port: int, stage: int, **kwargs) -> "DistributedTransport":
-        """The transport of pipeline stage `stage`: its own group name and port (base_port + stage)."""
-        return cls(client, targets, master_address, base_port + stage, group_name=f"megatron-grpo-pp{stage}", **kwargs)
+                           stage: int, **kwargs) -> "DistributedTransport":
+        """The transport of pipeline stage `stage`: a group name of its own, on a port the OS picks."""
+        return cls(client, targets, master_address, 0, group_name=f"megatron-grpo-pp{stage}", **kwargs)
 
     def _post_all(self, path: str, payload_for: Callable[[int, EngineTarget], dict]) -> list[Future]:
         return [self._pool.submit(self.client.call, t.url, path, payload_for(i, t), timeout_s=self.timeout_s)
@@ -109,12 +111,15 @@ class DistributedTransport(WeightTransport):
 
     def connect(self) -> None:
         offsets = [1 + sum(t.tp_size for t in self.targets[:i]) for i in range(len(self.targets))]
+        store = host_store(self.master_address, self.requested_port, self.world_size, self.timeout_s)
+        self.master_port = store.port
         futures = self._post_all("/init_weights_update_group", lambda i, t: {
             "master_address": self.master_address, "master_port": self.master_port, "rank_offset": offsets[i],
             "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend})
         try:
             self._group = init_custom_process_group(self.backend, self.master_address, self.master_port, 0,
-                                                    self.world_size, self.group_name, timeout_s=self.timeout_s)
+                                                    self.world_size, self.group_name, timeout_s=self.timeout_s,
+                                                    store=store)
         except Exception as exc:
             failed = [f"{t.url}: {f.exception()}" for t, f in zip(self.targets, futures)
                       if f.done() and f.exception() is not None]

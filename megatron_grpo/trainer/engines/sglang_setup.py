@@ -15,7 +15,6 @@ import torch
 
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError, MegatronGRPOError
-from megatron_grpo.launch.env import free_port
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +71,7 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
     try:
         if s.weight_sync == "distributed":
             master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-            transport = DistributedTransport(client, targets, master, free_port(),
+            transport = DistributedTransport(client, targets, master, 0,
                                              backend="nccl" if torch.cuda.is_available() else "gloo",
                                              bucket_bytes=bucket_bytes, timeout_s=s.weight_update_timeout_s)
             transport.connect()

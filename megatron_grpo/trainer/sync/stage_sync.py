@@ -7,10 +7,11 @@ per_stage  each pipeline stage's sender streams its own layers (convert/stage_ex
     SGLang (weight_sync=distributed) a DistributedTransport of the stage's own (group
                                      megatron-grpo-pp<stage>, a port of the sender's), joined by every
                                      engine TP rank (rollout/sglang/stage_sync.py); SGLang runs the
-                                     stages' updates of one engine one after another (its tokenizer
-                                     manager queues them); with several engines the stages push in
-                                     turn (endpoint.push_in_turn), since two engines' queues may
-                                     order the stages differently and the broadcasts would deadlock
+                                     stages' requests to one engine one after another (its tokenizer
+                                     manager queues them); with several engines the stages open,
+                                     rebuild and push their groups in turn (endpoint.push_in_turn),
+                                     since two engines' queues may order the stages differently and
+                                     each engine would wait in a group the other has not joined yet
 colocated  SGLang weight_sync=tensor: every trainer rank whose GPU hosts an engine TP rank streams
            the whole model (WholeModelRole) and feeds that engine rank by CUDA IPC (shared memory on
            CPU); the engine's feeding ranks gather their payloads to the one that posts
@@ -30,7 +31,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,8 +40,10 @@ from megatron_grpo.config.derived import weight_sync_route
 from megatron_grpo.config.schema import Config
 from megatron_grpo.convert.stage_export import StageRole, WholeModelRole
 from megatron_grpo.errors import ConfigError, MegatronGRPOError, RolloutFailure
-from megatron_grpo.launch.collectives import all_gather_objects, broadcast_from_rank0, raise_if_any_failed
+from megatron_grpo.launch.collectives import all_gather_objects, broadcast_from_rank0, in_turns, raise_if_any_failed
 from megatron_grpo.rollout.engine import StagedWeightUpdates
+
+T = TypeVar("T")
 
 
 class StageSink(Protocol):
@@ -78,6 +81,10 @@ class StageSync:
     sink: Optional[StageSink]  # senders only
     in_turn: bool = False  # the endpoint's push_in_turn
 
+    def stage_by_stage(self, fn: Callable[[], T]) -> T:
+        """Collective: fn() on this rank, every stage at once or (in_turn) stage 0 first, then 1, ..."""
+        return in_turns(self.role.stage if self.in_turn else None, self.role.num_stages, fn)
+
     def close(self) -> None:
         if self.sink is not None:
             self.sink.close()
@@ -102,19 +109,22 @@ def connect_stage_sync(cfg: Config, rank0) -> StageSync | None:
         endpoint = broadcast_from_rank0(rank0.engine.stage_endpoint() if rank0 is not None else None)
         role = StageRole.current()
         opener = (lambda: endpoint.open(role, bucket_bytes)) if role.sends else None
-    sink, error = None, None
-    if opener is not None:
-        try:
-            sink = opener()
-        except MegatronGRPOError as exc:
-            error = f"the weight senders could not reach the rollout engines: {role.label}: {exc}"
+    stage_sync = StageSync(role=role, sink=None, in_turn=bool(endpoint.push_in_turn))
+
+    def open_sink() -> Optional[str]:
+        if opener is not None:
+            try:
+                stage_sync.sink = opener()
+            except MegatronGRPOError as exc:
+                return f"the weight senders could not reach the rollout engines: {role.label}: {exc}"
+        return None
+
     try:
-        raise_if_any_failed(error, RolloutFailure)
+        raise_if_any_failed(stage_sync.stage_by_stage(open_sink), RolloutFailure)
     except RolloutFailure:
-        if sink is not None:
-            sink.close()
+        stage_sync.close()
         raise
-    return StageSync(role=role, sink=sink, in_turn=bool(endpoint.push_in_turn))
+    return stage_sync
 
 
 def _colocated_sender(endpoint, bucket_bytes: int):

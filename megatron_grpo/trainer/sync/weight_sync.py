@@ -78,25 +78,22 @@ def _one_stage_sync(run, stage_sync: StageSync, version: int) -> dict[str, float
     engine = run.engine if dist.get_rank() == 0 else None
     role, sink = stage_sync.role, stage_sync.sink
     targets = _on_rank0_agreed(lambda: engine.prepare_stage_update(version))
-    rebuild_error = None
-    if targets is not None and sink is not None:  # an engine was restarted or dropped: new groups
-        try:
-            sink.set_targets(targets)
-        except MegatronGRPOError as exc:
-            rebuild_error = f"{role.label}: {exc}"
-    rebuild_errors = [e for e in all_gather_objects(rebuild_error) if e]
+
+    def rebuild() -> str | None:  # an engine was restarted or dropped: new groups
+        if targets is not None and sink is not None:
+            try:
+                sink.set_targets(targets)
+            except MegatronGRPOError as exc:
+                return f"{role.label}: {exc}"
+        return None
+
+    rebuild_errors = [e for e in all_gather_objects(stage_sync.stage_by_stage(rebuild)) if e]
     if rebuild_errors:
         _on_rank0_agreed(lambda: engine.abort_stage_update(version))  # the next attempt rebuilds again
         raise _SyncFailure(rebuild_errors[0])
     sample = _on_rank0_agreed(lambda: engine.begin_stage_update(version))  # a weight sample to fill, or None
 
-    outcome, unexpected = None, None
-    # All stages at once, or (stage_sync.in_turn: several SGLang engines) one after another.
-    for turn in range(role.num_stages) if stage_sync.in_turn else (None,):
-        if turn is None or turn == role.stage:
-            outcome, unexpected = _push_stage(run, role, sink, sample, version)
-        if turn is not None:
-            dist.barrier()
+    outcome, unexpected = stage_sync.stage_by_stage(lambda: _push_stage(run, role, sink, sample, version))
     gathered = all_gather_objects((outcome, unexpected is not None))
     fatal = [o for o, bad in gathered if bad]
     if unexpected is not None:
