@@ -3,7 +3,8 @@ and first weight sync, with its rollout, sync, placement, router, staleness and 
 SGLang's own server code (tests/sglang_harness) given by URL as slurm/ starts them; only what a CPU
 cannot hold is shrunk (CpuShrink: a tiny model of the same architecture, fewer trainer ranks and
 engines, short sequences, a task a random model gets partial credit on). After the step every TP
-rank of every engine holds bitwise the trainer's trained weights.
+rank of every engine holds bitwise the trainer's trained weights (the 8B tool run leaves one engine
+out on purpose: the check names exactly that one).
 
 A recipe in recipes/ that no test runs fails test_every_recipe_is_run_by_a_test."""
 from __future__ import annotations
@@ -106,7 +107,8 @@ def test_layout_variants_keep_their_parents_layout_and_validate_on_it():
 def _first_step(rank, world_size, recipe, overrides, skip_engine=None):
     """Runs `recipe` with `overrides` for one step (trainer.loop.train); rank 0 returns the
     trainer's HF tensors before and after it and the step's metrics. `skip_engine`: the ranks
-    feeding that colocated engine push nothing (a broken push)."""
+    feeding that colocated engine push nothing from step 1 on (a broken push; the start weights
+    still reach it, so step 1 samples on-policy)."""
     from megatron_grpo.config import load_config, validate
     from megatron_grpo.convert.export import gather_hf_weights_on_rank0
     from megatron_grpo.rollout.sglang.weight_sync import SyncStats
@@ -121,13 +123,13 @@ def _first_step(rank, world_size, recipe, overrides, skip_engine=None):
 
     def capture_build(cfg):
         run = build_run(cfg)
-        if skip_engine is not None and run.stage_sync.sink is not None and f"engine {skip_engine} " in \
-                run.stage_sync.role.label:
-            run.stage_sync.sink.push = lambda tensors, version: SyncStats()
         captured["initial"] = hf_weights(run)
         return run
 
     def capture_step(run, step, pipeline=None):
+        if skip_engine is not None and run.stage_sync.sink is not None and f"engine {skip_engine} " in \
+                run.stage_sync.role.label:
+            run.stage_sync.sink.push = lambda tensors, version: SyncStats()
         metrics = grpo_step(run, step, pipeline)
         captured["trained"] = hf_weights(run)
         return metrics
@@ -175,6 +177,10 @@ class Fleets:
                                         extra_args=("--base-gpu-id", str(k * tp))) for k in range(engines)]
             self.launchers[key] = launch_servers(self.root / "logs" / "-".join(map(str, key)), settings)
         return [server.url for server in self.launchers[key].servers]
+
+    def retire(self, shrink: "CpuShrink") -> None:
+        """Stops the fleet a run left inconsistent; a later run gets a fresh one."""
+        self.launchers.pop((shrink.architecture, shrink.engines, shrink.engine_tp)).shutdown(grace_s=2)
 
     def close(self) -> None:
         for launcher in self.launchers.values():
@@ -250,21 +256,25 @@ def engines_hold(run: RecipeRun) -> list[str]:
             for j, got in enumerate(engine_parameter_checksums(url, want)) if got != want]
 
 
+# The check can fail: in the 8B tool run engine 3's feeding rank pushes nothing after the start
+# weights (and the product's own weight verification, which would stop the run first, is off); the
+# check must name exactly engine 3 and pass the other three. Its fleet is retired after (a stale
+# engine would fail the next run's start); the tool recipe sorts last of the fleet's users.
+LEFT_OUT_ENGINE = {"qwen3_8b_gsm8k_tool": 3}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", sorted(CLUSTER_RECIPES))
 def test_cluster_recipe_first_step_and_sync_on_cpu(recipe, fleets, tmp_path):
-    run = run_recipe(recipe, fleets, tmp_path)
+    skip = LEFT_OUT_ENGINE.get(recipe)
+    run = run_recipe(recipe, fleets, tmp_path, extra=() if skip is None else ("rollout.sglang.verify_interval=0",),
+                     skip_engine=skip)
     [record] = [r for r in run.out["records"] if r.get("step") == 1]
     assert record["rollout/weight_version_min"] == record["rollout/weight_version_max"] == 0
     assert record["actor/logprob_abs_diff_max"] < 1e-4  # step 1 sampled with the pushed start weights
     changed = [n for n, t in run.out["trained"].items() if not t.equal(run.out["initial"][n])]
     assert len(changed) >= 0.9 * len(run.out["trained"]), "the step moved almost no weights"
-    assert engines_hold(run) == []
-
-
-@pytest.mark.slow
-def test_one_colocated_engine_left_out_fails_the_check(fleets, tmp_path):
-    """The 8B recipe with engine 3's feeding rank pushing nothing (and the product's own weight
-    verification off, which would stop the run first): the check above names exactly engine 3."""
-    run = run_recipe("qwen3_8b_gsm8k", fleets, tmp_path, extra=("rollout.sglang.verify_interval=0",), skip_engine=3)
-    assert engines_hold(run) == [f"engine 3 ({run.urls[3]}) TP rank 0"]
+    stale = engines_hold(run)
+    if skip is not None:
+        fleets.retire(run.shrink)
+    assert stale == ([] if skip is None else [f"engine {skip} ({run.urls[skip]}) TP rank 0"])
