@@ -38,7 +38,7 @@ def render_keys(text: str) -> str:
         if key in NOT_YET_WIRED:
             return "not wired yet: refused when set"
         if key in INERT_WITHOUT_KL_IN_REWARD:
-            return "acts only with algorithm.use_kl_in_reward (not wired yet): accepted, inert"
+            return "acts only with algorithm.use_kl_in_reward=true (inert otherwise, as in verl)"
         return ""
 
     rows = [line.split("\t") for line in _cli("keys").splitlines() if line.strip()]

@@ -538,9 +538,9 @@ def test_registered_names_count_once_registered():
 
 
 def test_settings_not_yet_wired_are_refused_at_config_time():
-    message = error_of(validate, valid("algorithm.use_kl_in_reward=true", "logging.log_interval=5"))
+    message = error_of(validate, valid("actor.shuffle=true", "logging.log_interval=5"))
     assert message.startswith("not implemented in the trainer yet, set back to the default: "
-                              "algorithm.use_kl_in_reward=True (default False); logging.log_interval=5 (default 1)")
+                              "actor.shuffle=True (default False); logging.log_interval=5 (default 1)")
     validate(valid())  # every unwired key at its default
     validate(valid("ref.max_tokens_per_micro_batch=4096"))  # wired (the reference pass's own budget)
 

@@ -20,7 +20,6 @@ from megatron_grpo.config.from_verl import (config_of, markdown_table, parse_com
                                             render_recipe, translate)
 from megatron_grpo.config.schema import Config
 from megatron_grpo.config.verl_keys import TABLE, hint, lookup
-from megatron_grpo.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 KEY_LISTS = {name: REPO / "tests" / "data" / f"verl_0.9.1_{name}_keys.txt"
@@ -287,9 +286,12 @@ def test_kl_controller_settings_without_kl_in_reward_are_kept_and_noted_not_refu
             in recipe), recipe
     assert ("algorithm.kl_ctrl.type='adaptive' has no effect: algorithm.use_kl_in_reward=false (as in verl)"
             in implied_settings(config))
-    # with the KL in the reward, which is not wired yet, the same settings are refused
-    with pytest.raises(ConfigError, match="not implemented in the trainer yet.*algorithm.use_kl_in_reward=True"):
-        validate(config_of(translate(parse_command_line([*args, "algorithm.use_kl_in_reward=True"]))))
+    # with the KL in the reward (verl's RLOO / REINFORCE++ examples) they act: no note, and it validates
+    active = translate(parse_command_line([*args, "algorithm.use_kl_in_reward=True",
+                                           "algorithm.kl_ctrl.kl_coef=0.001"]))
+    validate(config_of(active))
+    assert config_of(active).algorithm.use_kl_in_reward and "inert" not in render_recipe(active)
+    assert not [line for line in implied_settings(config_of(active)) if "has no effect" in line]
 
 
 def test_from_verl_cli_takes_the_line_whole_alone_or_as_one_string(tmp_path, capsys):

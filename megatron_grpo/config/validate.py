@@ -25,7 +25,6 @@ FILTER_METRICS = ("acc", "score", *PENALISED_FILTER_METRICS)
 # otherwise. A key leaves this list in the change that wires it.
 NOT_YET_WIRED = (
     "model.transformer_impl", "model.trust_remote_code", "data.apply_chat_template",
-    "algorithm.use_kl_in_reward",
     "actor.shuffle", "reward.format_score", "checkpoint.async_save", "logging.log_interval",
     "logging.wandb_entity", "logging.wandb_mode", "eval.val_batch_size",
 )
@@ -239,6 +238,23 @@ def _algorithm(c: Config, out: list[str]) -> None:
     if a.filter_groups.max_num_gen_batches < 0:
         out.append(f"algorithm.filter_groups.max_num_gen_batches={a.filter_groups.max_num_gen_batches} "
                    f"must be >= 0 (0 = no limit)")
+    if a.use_kl_in_reward:
+        _kl_in_reward(c, out)
+
+
+def _kl_in_reward(c: Config, out: list[str]) -> None:
+    a, k = c.algorithm, c.algorithm.kl_ctrl
+    if k.kl_coef < 0:
+        out.append(f"algorithm.kl_ctrl.kl_coef={k.kl_coef} must be >= 0 (the penalty's starting weight)")
+    if k.type == "adaptive":
+        for name in ("target_kl", "horizon"):
+            if getattr(k, name) <= 0:
+                out.append(f"algorithm.kl_ctrl.{name}={getattr(k, name)} must be > 0 with "
+                           f"algorithm.kl_ctrl.type=adaptive (verl's AdaptiveKLController divides by it)")
+    if a.filter_groups.enable and a.filter_groups.metric in PENALISED_FILTER_METRICS:
+        out.append(f"algorithm.filter_groups.metric={a.filter_groups.metric} with algorithm.use_kl_in_reward=true: "
+                   "the group filter runs before the policy's log-probs exist, so it cannot read the "
+                   "KL-penalised reward verl's DAPO trainer filters on; use metric acc or score")
 
 
 def _actor(c: Config, out: list[str]) -> None:

@@ -2,6 +2,7 @@
 
     prompts -> rollout (n per prompt, with log-probs) -> rewards -> group advantages (+ DAPO filter)
     -> old / reference log-probs (only when needed) on this data-parallel rank's share
+    -> (KL in the reward) advantages again, from the scores minus the KL penalty
     -> packed, token-balanced micro-batches -> ppo_epochs x mini-batch updates
     -> weight sync to the rollout engine -> metrics -> eval
 
@@ -37,6 +38,7 @@ from megatron_grpo.trainer.rollouts.rollout_phase import RolloutSettings, collec
 from megatron_grpo.trainer.rollouts.rollout_pipeline import RolloutPipeline
 from megatron_grpo.trainer.setup import Run, build_run, first_mini_batch_has_old_pass, old_logprobs_needed
 from megatron_grpo.trainer.signals import StopSignals
+from megatron_grpo.trainer.step.reward_kl import apply_kl_in_reward
 from megatron_grpo.trainer.step.train_step import fill_logprobs, train_on_mini_batch
 from megatron_grpo.trainer.sync.weight_sync import sync_weights
 
@@ -114,14 +116,19 @@ def grpo_step(run: Run, step: int, pipeline: RolloutPipeline | None = None) -> d
     # samples of this data-parallel rank's share.
     with timer("logprob"):
         measured = first_mini_batch_has_old_pass(cfg, step)
-        if old_logprobs_needed(cfg) or measured:
+        # the KL in the reward reads every sample's old log-probs before the first update
+        every_mini_batch = measured or run.kl_controller is not None
+        if old_logprobs_needed(cfg) or every_mini_batch:
             # Until the first update the policy is the one that sampled, so with one epoch the
             # first mini-batch uses its own detached log-probs as "old"; only later ones need a
             # pass, unless this step measures the ratio invariant against a real one.
-            _fill_logprobs(run, run.policy, batch.samples, "old_logprobs", skip_mini_batches=0 if measured else 1)
+            _fill_logprobs(run, run.policy, batch.samples, "old_logprobs",
+                           skip_mini_batches=0 if every_mini_batch else 1)
         if run.reference is not None:
             with _on_device(run.reference, run.device, offloaded=cfg.ref.param_offload):
                 _fill_logprobs(run, run.reference, batch.samples, "ref_logprobs")
+    if run.kl_controller is not None:  # algorithm.use_kl_in_reward: advantages from the penalised scores
+        metrics.update(apply_kl_in_reward(batch, run.kl_controller, cfg.algorithm.kl_penalty, rollout_settings(cfg)))
 
     # 3. this rank's share as micro-batches per mini-batch (packed by default).
     mini_batches = plan_micro_batches(batch.samples, cfg, model_config=run.model_config)

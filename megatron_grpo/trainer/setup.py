@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.algo.kl_in_reward import KLController, make_kl_controller
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError, MegatronGRPOError
 from megatron_grpo.launch.collectives import broadcast_from_rank0, on_rank0, rank0_only
@@ -71,6 +72,7 @@ class Run:
     resume_plan: list[Candidate] = field(default_factory=list)  # checked checkpoints, best first
     rank0: Rank0Parts | None = None           # global rank 0 only
     stage_sync: StageSync | None = None       # per-stage weight sync (trainer/sync/stage_sync.py), or rank 0's route
+    kl_controller: KLController | None = None  # algorithm.use_kl_in_reward (its beta is checkpointed)
 
     @property
     def is_main(self) -> bool:
@@ -104,9 +106,18 @@ class Run:
 
 
 def kl_reference_needed(cfg: Config) -> bool:
-    """The reference model is built and run only when a KL term can be non-zero. (The in-reward KL,
-    algorithm.use_kl_in_reward, is refused by validation until it is wired.)"""
-    return cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef != 0
+    """The reference model is built and run only when a KL term can be non-zero: the KL loss, or
+    the KL in the reward (whose controllers only ever scale a zero beta to zero)."""
+    return (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef != 0) or kl_in_reward_active(cfg)
+
+
+def kl_in_reward_active(cfg: Config) -> bool:
+    return cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_ctrl.kl_coef != 0
+
+
+def build_kl_controller(cfg: Config) -> KLController | None:
+    k = cfg.algorithm.kl_ctrl
+    return make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon) if kl_in_reward_active(cfg) else None
 
 
 def old_logprobs_needed(cfg: Config) -> bool:
@@ -212,7 +223,8 @@ def build_run(cfg: Config) -> Run:
                # Skips updates whose gradient norm is NaN / Inf; stops after max_consecutive_nan_steps in a row.
                optimizer=NonFiniteUpdateGuard(optimizer, limit=cfg.trainer.max_consecutive_nan_steps),
                scheduler=scheduler, reference=reference, tokenizer=tokenizer, total_steps=total_steps,
-               record=record, resume_plan=resume_plan, rank0=rank0, stage_sync=connect_stage_sync(cfg, rank0))
+               record=record, resume_plan=resume_plan, rank0=rank0, stage_sync=connect_stage_sync(cfg, rank0),
+               kl_controller=build_kl_controller(cfg))
 
 
 def check_multi_turn_environment(cfg: Config) -> None:

@@ -75,6 +75,9 @@ class RolloutBatch:
     samples: list[TrainSample]
     metrics: dict[str, float] = field(default_factory=dict)
     versions: list[int] = field(default_factory=list)  # the weight version that generated each sample
+    # what the advantages were computed from (recomputed with the KL in the reward: trainer/step/reward_kl.py)
+    scores: list[float] = field(default_factory=list)
+    group_ids: list = field(default_factory=list)
 
 
 def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, rewards: RewardRunner,
@@ -143,16 +146,20 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
     # Which policy sampled the batch: every sample of step k comes from weights version k - 1.
     metrics["rollout/weight_version_min"] = float(min(s.weight_version for s in kept_samples))
     metrics["rollout/weight_version_max"] = float(max(s.weight_version for s in kept_samples))
-    metrics["advantage/mean"] = float(advantages.mean())
-    metrics["advantage/std"] = float(advantages.std()) if len(advantages) > 1 else 0.0
-    metrics["advantage/max"] = float(advantages.max())
-    metrics["advantage/min"] = float(advantages.min())
+    metrics.update(advantage_metrics(advantages))
     train_samples = [TrainSample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
                                  advantage=float(a), rollout_logprobs=list(s.logprobs),
                                  routed_experts=_routes(s) if settings.routing_replay else None,
                                  response_mask=mask)
                      for s, a, mask in zip(kept_samples, advantages.tolist(), kept_masks)]
-    return RolloutBatch(samples=train_samples, metrics=metrics, versions=[s.weight_version for s in kept_samples])
+    return RolloutBatch(samples=train_samples, metrics=metrics, versions=[s.weight_version for s in kept_samples],
+                        scores=kept_scores, group_ids=group_ids)
+
+
+def advantage_metrics(advantages: torch.Tensor) -> dict[str, float]:
+    return {"advantage/mean": float(advantages.mean()),
+            "advantage/std": float(advantages.std()) if len(advantages) > 1 else 0.0,
+            "advantage/max": float(advantages.max()), "advantage/min": float(advantages.min())}
 
 
 def _single_turn_round(engine, prompts, tokenizer, rewards, settings, step, rounds, timings, in_trainer_thread):

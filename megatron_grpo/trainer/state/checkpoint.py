@@ -252,6 +252,7 @@ class Checkpointer:
             "sampler": run.sampler.state_dict() if run.is_main else None,
             "engine_weight_version": run.engine.weight_version if run.is_main else step,
             "skipped_updates": guard.state_dict() if guard is not None else None,
+            "kl_ctrl": run.kl_controller.state_dict() if run.kl_controller is not None else None,
             "layout": {"world_size": dist.get_world_size(), **_layout(),
                        "vpp": self.cfg.parallel.virtual_pipeline},
             "optimizer_format": optimizer_format,
@@ -342,6 +343,8 @@ class Checkpointer:
         guard = self.run.optimizer if hasattr(self.run.optimizer, "inner") else None
         if guard is not None and trainer_state.get("skipped_updates"):
             guard.load_state_dict(trainer_state["skipped_updates"])
+        if self.run.kl_controller is not None and trainer_state.get("kl_ctrl"):
+            self.run.kl_controller.load_state_dict(trainer_state["kl_ctrl"])
         if rng is not None:
             set_rng_state(rng)
         step = int(trainer_state["step"])
