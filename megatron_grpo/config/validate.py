@@ -140,6 +140,11 @@ def _data(c: Config, out: list[str]) -> None:
     for name in ("max_prompt_length", "max_response_length", "train_batch_size"):
         if getattr(d, name) < 1:
             out.append(f"data.{name}={getattr(d, name)} must be >= 1")
+    for name in ("train_files", "val_files"):
+        empty = [i for i, path in enumerate(getattr(d, name)) if not str(path).strip()]
+        if empty:
+            out.append(f"data.{name}: entry {empty[0]} is an empty path (a shell variable that was not set?); "
+                       "give a .jsonl or .parquet file, or leave the key out")
 
 
 def _rollout(c: Config, out: list[str]) -> None:

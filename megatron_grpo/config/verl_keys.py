@@ -98,16 +98,29 @@ def _files(ours: str) -> Converter:
     return convert
 
 
+def _token_budget(tokens: Any, given: Mapping[str, Any]) -> Translation:
+    """verl's micro-batch holds ppo_max_token_len_per_gpu x ulysses_sequence_parallel_size tokens
+    (verl/workers/engine/utils.py): the budget is per GPU after the Ulysses split, which the
+    Megatron trainer does not make (context parallelism is parallel.context)."""
+    sp = int(_get(given, f"{ACTOR}.ulysses_sequence_parallel_size") or 1)
+    values = {"actor.max_tokens_per_micro_batch": int(tokens) * sp, "actor.ppo_micro_batch_size_per_gpu": None}
+    if sp == 1:
+        return Translation(values)
+    return Translation(values, f"x ulysses_sequence_parallel_size={sp}: actor.max_tokens_per_micro_batch="
+                               f"{int(tokens) * sp} (verl's budget is per GPU after the Ulysses split)")
+
+
 def _dynamic_bsz(value: Any, given: Mapping[str, Any], key: str) -> Translation:
     if not _truthy(value):
         return Translation({})  # fixed micro-batches: ppo_micro_batch_size_per_gpu says how many
-    tokens = _get(given, f"{ACTOR}.ppo_max_token_len_per_gpu")
-    return Translation({"actor.max_tokens_per_micro_batch": tokens, "actor.ppo_micro_batch_size_per_gpu": None})
+    budget = _token_budget(_get(given, f"{ACTOR}.ppo_max_token_len_per_gpu"), given)
+    # the note goes with ppo_max_token_len_per_gpu when that is given (the header says it once)
+    return Translation(budget.values) if f"{ACTOR}.ppo_max_token_len_per_gpu" in given else budget
 
 
 def _max_token_len(value: Any, given: Mapping[str, Any], key: str) -> Translation:
     if _truthy(given.get(f"{ACTOR}.use_dynamic_bsz")):
-        return Translation({"actor.max_tokens_per_micro_batch": value, "actor.ppo_micro_batch_size_per_gpu": None})
+        return _token_budget(value, given)
     return Translation({}, "ignored without use_dynamic_bsz=True, as in verl")
 
 
