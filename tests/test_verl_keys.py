@@ -392,3 +392,22 @@ def test_the_verl_keys_command_prints_the_table(capsys):
     """docs/verl.md holds this output (tests/test_docs.py checks it is current)."""
     assert main(["config", "verl-keys"]) == 0
     assert capsys.readouterr().out == markdown_table()
+
+
+# Features this trainer has, by the words a row's note would use for them, and the key that sets each.
+FEATURES_HERE = {"multi-turn": "rollout.multi_turn.environment", "tool-calling": "rollout.multi_turn.environment",
+                 "kl in the reward": "algorithm.use_kl_in_reward", "dynamic sampling": "algorithm.filter_groups.enable",
+                 "overlong": "reward.overlong_buffer.enable", "routing replay": "actor.moe_routing_replay",
+                 "context parallel": "parallel.context", "expert parallel": "parallel.expert"}
+
+
+def test_no_row_calls_a_feature_of_this_trainer_not_supported():
+    """The table (and the docs made from it) once said multi-turn was not supported while
+    rollout.multi_turn existed: a 'not supported' note may not name a feature listed here."""
+    from megatron_grpo.config.coerce import all_keys
+
+    keys = set(all_keys(Config))
+    assert set(FEATURES_HERE.values()) <= keys  # each feature's key exists
+    wrong = [(row.verl, word) for row in TABLE for word in FEATURES_HERE
+             if "not supported" in row.note.lower() and word in row.note.lower()]
+    assert wrong == []

@@ -384,7 +384,8 @@ _REF_LAYOUT = "the reference model shares the actor's layout and settings (paral
 _KERNELS = "kernel / compile choice: megatron-core's own kernels are used (model.transformer_impl)"
 _NO_LORA = "LoRA is not supported: full-parameter training"
 _NO_MM = "multimodal inputs are not supported (text prompts only)"
-_NO_MULTITURN = "multi-turn / tool-calling agent rollouts are not supported (single-turn generation)"
+_NO_MULTITURN = ("verl's agent loop and tool configs do not carry over: multi-turn / tool-calling rollouts here "
+                 "run an environment class, rollout.multi_turn.environment (docs/multi-turn.md)")
 _NO_RM = "model-based rewards (a reward model) are not supported: rule / function rewards (reward.function)"
 _NO_SANDBOX = "code-execution sandboxes are not supported: a reward function may call one itself"
 _NO_RAY = "no Ray: the processes come from the launcher (torchrun / srun / mpirun)"
