@@ -241,3 +241,24 @@ def test_prompt_key_names_the_column_of_the_chat_messages(tmp_path):
                                "the row's keys: data_source, ability, reward_model, extra_info, question_chat")
     with pytest.raises(DataError, match=r"'chat' \(data.prompt_key\) must be a non-empty list"):
         load_records(path, RecordFormat(prompt_key="chat"))
+
+
+def test_reward_fn_key_names_the_column_read_as_data_source(tmp_path, tokenizer):
+    """verl's data.reward_fn_key: the column whose value picks the scorer (the reward function's
+    data_source); the trainer reads it from the recipe, and a row without it is named."""
+    from megatron_grpo.config import load_config
+    from megatron_grpo.trainer.assembly.prompt_data import load_prompts
+
+    row = {**_row(0), "task_family": "openai/gsm8k"}
+    row.pop("data_source")
+    path = _write_lines(tmp_path / "d.jsonl", [json.dumps(row)])
+    [record] = load_records(path, RecordFormat(reward_fn_key="task_family"))
+    assert record.data_source == "openai/gsm8k"
+    with pytest.raises(DataError) as info:
+        load_records(path)
+    assert str(info.value).startswith(f"{path}:1: 'data_source' must be a non-empty string; the row's keys: ")
+    with pytest.raises(DataError, match=r"'source' \(data.reward_fn_key\) must be a non-empty string"):
+        load_records(path, RecordFormat(reward_fn_key="source"))
+    train, _ = load_prompts(load_config("tiny_cpu", ["data.task=null", f"data.train_files={path}",
+                                                     "data.reward_fn_key=task_family"]), tokenizer)
+    assert [p.record.data_source for p in train] == ["openai/gsm8k"]

@@ -65,6 +65,7 @@ class DataConfig:
     train_files: list[str] = field(default_factory=list, metadata={ONE_OR_MORE: True})
     val_files: list[str] = field(default_factory=list, metadata={ONE_OR_MORE: True})
     prompt_key: str = "prompt"
+    reward_fn_key: str = "data_source"  # the column naming each row's scorer (the reward function's data_source)
     max_prompt_length: int = 512
     max_response_length: int = 512
     train_batch_size: int = 1024  # prompts per step

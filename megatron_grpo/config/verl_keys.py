@@ -368,12 +368,6 @@ def _overlong(value: Any, given: Mapping[str, Any], key: str) -> Translation:
     return Translation({ours: value})
 
 
-def _data_source_key(value: Any, given: Mapping[str, Any], key: str) -> Translation:
-    if value == "data_source":
-        return Translation({})
-    return Translation({}, f"reward_fn_key={value!r} is not supported: reward functions get the data_source column")
-
-
 # ---------------------------------------------------------------- the table
 
 _NO_CRITIC = "GRPO-family estimators need no critic (PPO's value model); this trainer has none"
@@ -414,7 +408,7 @@ TABLE: tuple[VerlKey, ...] = (
     conv("data.filter_overlong_prompts", ("data.truncation",), "true = data.truncation=filter (counted, logged)",
          _filter_overlong),
     same("data.val_batch_size", "eval.val_batch_size"),
-    conv("data.reward_fn_key", (), "reward functions get the data_source column", _data_source_key),
+    same("data.reward_fn_key", "data.reward_fn_key", "the column passed to the reward function as data_source"),
     none("data.filter_overlong_prompts_workers", "prompts are filtered while they are tokenized, once"),
     none("data.dataloader_num_workers", "prompts are tokenized once at start; no data-loader workers"),
     none("data.gen_batch_size", "dynamic sampling draws data.train_batch_size prompts per generation round"),

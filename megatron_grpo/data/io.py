@@ -49,7 +49,7 @@ def _record(line: str, where: str, fmt: RecordFormat) -> PromptRecord:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-    return _checked(parse_record(obj, where, fmt.prompt_key), where, fmt)
+    return _checked(parse_record(obj, where, fmt), where, fmt)
 
 
 def _checked(record: PromptRecord, where: str, fmt: RecordFormat) -> PromptRecord:
@@ -69,7 +69,7 @@ def _load_parquet(path: Path, fmt: RecordFormat) -> list[PromptRecord]:
         rows = pq.read_table(path).to_pylist()
     except Exception as exc:  # pyarrow raises several types for a corrupt file
         raise DataError(f"{path}: cannot read parquet: {exc}") from None
-    return [_checked(parse_record(row, f"{path}:row {i}", fmt.prompt_key), f"{path}:row {i}", fmt)
+    return [_checked(parse_record(row, f"{path}:row {i}", fmt), f"{path}:row {i}", fmt)
             for i, row in enumerate(rows, start=1)]
 
 

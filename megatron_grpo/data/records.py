@@ -34,21 +34,25 @@ class RecordFormat:
     """How a dataset's rows are read (from the recipe's data.* and reward.* keys)."""
 
     prompt_key: str = "prompt"  # the column with the chat messages (verl's data.prompt_key)
+    reward_fn_key: str = "data_source"  # the column read as the row's data_source (verl's data.reward_fn_key)
     # A scorer that compares one answer (the built-in gsm8k / math): a list or object ground truth
     # is refused, since it would score every response 0. None: any JSON value, for the user's function.
     scalar_ground_truth_for: str | None = None
 
 
-def parse_record(obj: Any, where: str, prompt_key: str = "prompt") -> PromptRecord:
+def parse_record(obj: Any, where: str, fmt: RecordFormat = RecordFormat()) -> PromptRecord:
     """A PromptRecord from one decoded row; DataError "<where>: <what is wrong>" otherwise."""
     def fail(what: str) -> DataError:
         return DataError(f"{where}: {what}")
 
     if not isinstance(obj, dict):
         raise fail(f"expected a JSON object, got {type(obj).__name__}")
-    data_source = obj.get("data_source")
+    prompt_key, source_key = fmt.prompt_key, fmt.reward_fn_key
+    data_source = obj.get(source_key)
     if not isinstance(data_source, str) or not data_source:
-        raise fail("'data_source' must be a non-empty string")
+        named = "" if source_key == "data_source" else " (data.reward_fn_key)"
+        raise fail(f"'{source_key}'{named} must be a non-empty string"
+                   + (f"; the row's keys: {', '.join(map(str, obj))}" if source_key not in obj else ""))
     prompt = obj.get(prompt_key)
     if not isinstance(prompt, (list, tuple)) or not prompt:
         named = "" if prompt_key == "prompt" else " (data.prompt_key)"

@@ -31,7 +31,8 @@ def load_prompts(cfg: Config, tokenizer) -> tuple[list[EncodedPrompt], list[Enco
         train_records = generate_records(task, count=SYNTHETIC_TRAIN_RECORDS, seed=cfg.trainer.seed, split="train")
         eval_records = generate_records(task, count=SYNTHETIC_EVAL_RECORDS, seed=cfg.trainer.seed + 1, split="test")
     else:
-        fmt = RecordFormat(prompt_key=cfg.data.prompt_key, scalar_ground_truth_for=(
+        fmt = RecordFormat(prompt_key=cfg.data.prompt_key, reward_fn_key=cfg.data.reward_fn_key,
+                           scalar_ground_truth_for=(
             cfg.reward.function if cfg.reward.function in SCALAR_ANSWER_SCORERS else None))
         train_records = [r for path in cfg.data.train_files for r in load_records(path, fmt)]
         eval_records = [r for path in cfg.data.val_files for r in load_records(path, fmt)] or None

@@ -35,8 +35,8 @@ INIT_RECORD = "initialized_from.json"  # inside initial_model/
 # The config keys that define a run (dotted; mappings are compared key by key).
 DEFINING_KEYS = (
     "model.path", "model.config_path", "model.tokenizer_path", "model.override_config",
-    "data.train_files", "data.task", "data.task_kwargs", "data.prompt_key", "data.chat_template",
-    "data.shuffle", "data.seed", "reward.function", "trainer.seed",
+    "data.train_files", "data.task", "data.task_kwargs", "data.prompt_key", "data.reward_fn_key",
+    "data.chat_template", "data.shuffle", "data.seed", "reward.function", "trainer.seed",
 )
 _PATH_KEYS = ("model.path", "model.config_path", "model.tokenizer_path", "data.train_files")
 # The model's shapes that do not depend on the parallel layout (models.ModelArchitecture fields; the
