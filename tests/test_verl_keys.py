@@ -171,6 +171,8 @@ def test_every_key_with_a_meaning_here_translates():
      {"actor.tis_cap": 3.0}),
     (["+actor_rollout_ref.model.override_config.attention_dropout=0.0"],
      {"model.override_config.attention_dropout": 0.0}),
+    (["+actor_rollout_ref.model.override_config.model_config.max_position_embeddings=10240"],  # verl's megatron form
+     {"model.override_config.max_position_embeddings": 10240}),
     (["trainer.experiment_name=12", "actor_rollout_ref.actor.megatron.sequence_parallel=True"],
      {"logging.experiment_name": "12", "parallel.sequence_parallel": False}),  # SP only with TP > 1, as verl
     (["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ck/global_step_10"],
@@ -334,7 +336,8 @@ def test_from_verl_reads_a_verl_yaml(tmp_path, capsys):
     assert main(["config", "from-verl", str(verl_yaml)]) == 0
     out = capsys.readouterr().out
     recipe = yaml.safe_load(out)
-    assert recipe["model"] == {"path": "/models/qwen", "override_config": {"attention_dropout": 0.0}}
+    assert recipe["model"] == {"path": "/models/qwen"}  # override_config: no effect with model.path, and said so
+    assert "actor_rollout_ref.model.override_config={attention_dropout: 0.0}: no effect: with model.path" in out
     assert recipe["actor"]["optim"]["lr"] == 3e-6 and recipe["actor"]["max_tokens_per_micro_batch"] == 16384
     assert recipe["rollout"]["n"] == 8 and recipe["data"]["train_files"] == [str(Path.home() / "data/train.parquet")]
     assert "critic.ppo_epochs=1: GRPO-family estimators need no critic" in out
@@ -411,3 +414,14 @@ def test_no_row_calls_a_feature_of_this_trainer_not_supported():
     wrong = [(row.verl, word) for row in TABLE for word in FEATURES_HERE
              if "not supported" in row.note.lower() and word in row.note.lower()]
     assert wrong == []
+
+
+def test_override_config_with_a_checkpoint_is_listed_as_no_effect():
+    """verl changes a pretrained model's config by override_config(.model_config); here config.json
+    is used as it is: the recipe does not carry the field, and its header says why."""
+    translation = translate(parse_command_line([
+        "actor_rollout_ref.model.path=Qwen/Qwen3-8B", "data.train_files=/d/train.parquet",
+        "+actor_rollout_ref.model.override_config.model_config.max_position_embeddings=10240"]))
+    assert not any(key.startswith("model.override_config") for key in translation.values)
+    assert ("actor_rollout_ref.model.override_config.model_config.max_position_embeddings=10240: no effect: with "
+            "model.path the checkpoint's config.json is used as it is" in render_recipe(translation))

@@ -227,6 +227,19 @@ def _under(ours: str) -> Converter:
     return convert
 
 
+def _override_config(value: Any, given: Mapping[str, Any], key: str) -> Translation:
+    """verl applies override_config (its megatron workers: the model_config entry) to the HF config,
+    also of a pretrained model; here it shapes only a model built from scratch (model.config_path)."""
+    if f"{MODEL}.path" in given:
+        return Translation({}, "no effect: with model.path the checkpoint's config.json is used as it is (the start "
+                               "warns about a field set here that differs); verl would change the config")
+    if key == f"{MODEL}.override_config":  # the whole mapping
+        fields = value.get("model_config", value) if isinstance(value, dict) else value
+        return Translation({"model.override_config": fields})
+    field_name = key.removeprefix(f"{MODEL}.override_config.").removeprefix("model_config.")
+    return Translation({f"model.override_config.{field_name}": value})
+
+
 def _grad_checkpointing(value: Any, given: Mapping[str, Any], key: str) -> Translation:
     return Translation({"model.recompute_granularity": "full" if _truthy(value) else "none"})
 
@@ -431,9 +444,11 @@ TABLE: tuple[VerlKey, ...] = (
     conv(f"{MODEL}.path", ("model.path",), "HF folder or hub id; ~ expanded", _paths("model.path")),
     conv(f"{MODEL}.hf_config_path", ("model.config_path",), "", _paths("model.config_path")),
     conv(f"{MODEL}.tokenizer_path", ("model.tokenizer_path",), "", _paths("model.tokenizer_path")),
-    same(f"{MODEL}.override_config", "model.override_config"),
-    conv(f"{MODEL}.override_config.*", ("model.override_config",), "one entry of the mapping",
-         _under("model.override_config"), added=True),
+    conv(f"{MODEL}.override_config", ("model.override_config",),
+         "HF config fields of a model built from scratch; no effect with model.path", _override_config),
+    conv(f"{MODEL}.override_config.*", ("model.override_config",),
+         "one HF config field (verl's model_config.<field> too); no effect with model.path", _override_config,
+         added=True),
     same(f"{MODEL}.custom_chat_template", "data.chat_template"),
     same(f"{MODEL}.trust_remote_code", "model.trust_remote_code"),
     conv(f"{MODEL}.enable_gradient_checkpointing", ("model.recompute_granularity",), "true = full recompute",
