@@ -76,6 +76,9 @@ def _add_config_parser(sub: argparse._SubParsersAction) -> None:
     show.add_argument("--ranks-per-node", type=int, default=None,
                       help="with --world-size: trainer ranks (GPUs) per node, for the colocated placement")
     show.add_argument("--no-validate", action="store_true", help="skip the cross-field checks")
+    show.add_argument("--check-data", action="store_true",
+                      help="also run the start's data checks (model context, tokenizer, every prompt file read "
+                           "and encoded) without building a model")
     show.set_defaults(run=_config_show)
     keys = config.add_parser("keys", help="list every config key with its type and default")
     keys.set_defaults(run=_config_keys)
@@ -148,6 +151,10 @@ def _config_show(args: argparse.Namespace) -> int:
     if not args.no_validate:
         validate(config, world_size=args.world_size, ranks_per_node=args.ranks_per_node)
     sys.stdout.write("".join(f"# implied: {line}\n" for line in implied_settings(config)))
+    if args.check_data:
+        from megatron_grpo.trainer.assembly.data_check import check_data
+
+        sys.stdout.write("".join(f"# data: {line}\n" for line in check_data(config)))
     sys.stdout.write(to_yaml(config))
     return 0
 

@@ -54,6 +54,36 @@ def test_config_show_world_size_and_no_validate(capsys):
     assert load_config("tiny_cpu", ["rollout.n=1"]) == config_from_dict(yaml.safe_load(capsys.readouterr().out))
 
 
+def test_config_show_check_data_runs_the_starts_data_checks_without_a_model(tmp_path, capsys):
+    """--check-data: the model's context (config.json), the tokenizer and every prompt file, each
+    problem as one line with exit 2, and nothing written (no initial_model/, no output folder)."""
+    import json
+
+    from megatron_grpo.data.synthetic import build_tokenizer
+    from megatron_grpo.models.tiny import save_tiny_hf_model
+
+    out = tmp_path / "run"
+    assert main(["config", "show", "tiny_cpu", f"logging.output_dir={out}", "--check-data"]) == 0
+    shown = capsys.readouterr().out
+    assert "# data: train: 4096 prompts" in shown and "# data: eval: 128 prompts" in shown
+    model = save_tiny_hf_model("qwen3", tmp_path / "model", max_position_embeddings=64)
+    build_tokenizer(model)
+    row = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1 + 1"}],
+           "reward_model": {"ground_truth": "2"}}
+    data = tmp_path / "train.jsonl"
+    latin1 = json.dumps(row, ensure_ascii=False).replace("1 + 1", "caf\u00e9").encode("latin-1")  # é = 0xe9
+    data.write_bytes(json.dumps(row).encode() + b"\n" + latin1 + b"\n")
+    base = ["config", "show", "--check-data", "tiny_cpu", f"model.path={model}", "data.task=null",
+            f"data.train_files={data}", "eval.interval=-1", f"logging.output_dir={out}"]
+    assert main([*base, "data.max_response_length=64"]) == 2
+    assert f"exceed the model's context of 64 (max_position_embeddings in {model}/config.json)" in \
+        capsys.readouterr().err
+    assert main(base) == 2
+    error = capsys.readouterr().err
+    assert f"{data}:2" in error and error.count("\n") == 1
+    assert not out.exists()
+
+
 def test_config_error_is_one_line_with_exit_code_2(tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("actor:\n  clip_ratio_hi: 0.28\n")

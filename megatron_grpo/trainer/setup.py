@@ -150,7 +150,6 @@ def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
 
 def build_run(cfg: Config) -> Run:
     """Collective. Every rank-0 step the others wait on reports its failure on every rank."""
-    from transformers import AutoTokenizer
 
     from megatron_grpo.convert.loader import load_hf_weights
     from megatron_grpo.data.sampler import batches_per_epoch
@@ -158,7 +157,7 @@ def build_run(cfg: Config) -> Run:
     from megatron_grpo.models import ModelArchitecture, build_model, build_reference_model
     from megatron_grpo.models.builder import Recompute
     from megatron_grpo.trainer.assembly.model_path import (check_context_length, check_tokenizer_fits,
-                                                           prepare_model_folder)
+                                                           load_tokenizer, prepare_model_folder)
     from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
     from megatron_grpo.trainer.assembly.prompt_data import load_prompts
     from megatron_grpo.trainer.state.run_folder import run_record
@@ -182,8 +181,8 @@ def build_run(cfg: Config) -> Run:
                                        vocab_multiple=cfg.model.make_vocab_size_divisible_by)
     check_context_length(cfg, model_config.max_position_embeddings, f"max_position_embeddings in {model_dir}")
     check_moe_keys(cfg, model_config)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_dir)
     tokenizer_source = f"model.tokenizer_path={cfg.model.tokenizer_path}" if cfg.model.tokenizer_path else "model.path"
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or model_dir, tokenizer_source)
     check_tokenizer_fits(model_config.vocab_size, tokenizer, model_dir, tokenizer_source)
     prompts = rank0_only(load_prompts, cfg, tokenizer)  # data errors stop every rank before any model is built
     if cfg.rollout.multi_turn.environment:

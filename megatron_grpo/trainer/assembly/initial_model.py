@@ -50,11 +50,12 @@ def initial_hf_config(cfg: Config):
 def _write_initial_model(cfg: Config, target: Path, record: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from megatron_grpo.trainer.assembly.model_path import load_tokenizer
     from megatron_grpo.trainer.state.run_folder import INIT_RECORD
 
     tokenizer_dir = target.with_name("synthetic_tokenizer")
     if cfg.model.tokenizer_path:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path)
+        tokenizer = load_tokenizer(cfg.model.tokenizer_path, f"model.tokenizer_path={cfg.model.tokenizer_path}")
     elif cfg.data.task:
         from megatron_grpo.data.synthetic import build_tokenizer
 
