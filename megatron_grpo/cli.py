@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import importlib
 import json
 import sys
@@ -52,6 +53,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except MegatronGRPOError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # metrics, logs, the initial model: checkpoints report it themselves (and keep the last good one)
+        print(f"error: no space left on the device writing {exc.filename or 'a file'} ({exc.strerror}); "
+              "free some, or point logging.output_dir / checkpoint.save_dir elsewhere", file=sys.stderr)
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -158,6 +158,20 @@ def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path):
     assert validate_checkpoint(root / "step_1") is None
 
 
+def test_full_disk_under_the_output_folder_is_one_line_exit_1(tmp_path):
+    """metrics.jsonl on a full device (/dev/full answers every write with ENOSPC): one line naming
+    the file, exit 1 (a runtime failure), no traceback."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").symlink_to("/dev/full")
+    proc = subprocess.run([sys.executable, "-m", "megatron_grpo.train", "tiny_cpu", "trainer.total_steps=1",
+                           "eval.interval=-1", f"logging.output_dir={out}", *FAST], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"error: no space left on the device writing {out}/metrics.jsonl" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_unwritable_save_folder_is_a_clear_error(tmp_path):
     """A save folder that stops being writable during the run (permissions, a remount)."""
     root = tmp_path / "ckpt"

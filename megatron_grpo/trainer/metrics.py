@@ -42,6 +42,7 @@ class MetricsLogger:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.output_dir / METRICS_FILE
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        self._jsonl_failed = False  # closing would flush the failed line again, hiding the first error
         self._bar = None
         if options.console:
             from tqdm import tqdm
@@ -59,8 +60,12 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        except OSError as exc:  # a full disk: name the file (a flush's error does not)
+            self._jsonl_failed = True
+            raise OSError(exc.errno, exc.strerror, str(self.jsonl_path)) from None
         if self._bar is not None:
             shown = {label: metrics[key] for label, key in PROGRESS_FIGURES.items() if key in metrics}
             self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
@@ -82,7 +87,11 @@ class MetricsLogger:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        self._jsonl.close()
+        try:
+            self._jsonl.close()
+        except OSError:
+            if not self._jsonl_failed:
+                raise
         if self._tensorboard is not None:
             self._tensorboard.close()
         if self._wandb is not None:
