@@ -10,8 +10,8 @@ object per line, as openai/gsm8k ships it); the repository carries no copy of it
 The batch. P prompts drawn at random (seed) from the file, n = 5 responses each: a sequence is the
 prompt (the question followed by the instruction of tools/prepare_gsm8k.py) and the reference
 answer as the response, cut at max_response_length = 1024. Lengths are counted by a real tokenizer
-when --tokenizer names an HF tokenizer folder, else by the proxy tokens = ceil(characters / 4)
-(no BPE tokenizer is available offline here; the JSON's "length_unit" says which). Token ids are
+when --tokenizer names an HF tokenizer folder (or `qwen`: Qwen's own, built offline from its BPE
+ranks), else by the proxy tokens = ceil(characters / 4) (the JSON's "length_unit" says which). Token ids are
 random (the step's cost does not depend on their values).
 
 The step. The Qwen3-shaped `small` model of bench_e2e.py (4 layers, hidden 256, 8 heads, 4 KV
@@ -94,6 +94,10 @@ def gsm8k_lengths(path: str, tokenizer: str | None = None) -> tuple[list[tuple[i
     else:
         from transformers import AutoTokenizer
 
+        if tokenizer == "qwen":  # Qwen's real BPE, built offline (scripts/install_qwen_vocab.sh)
+            from megatron_grpo.testing.qwen_tokenizer import DEFAULT_VOCAB, build_qwen_tokenizer
+
+            tokenizer = str(build_qwen_tokenizer(DEFAULT_VOCAB.parents[1] / "qwen-tokenizer"))
         tok = AutoTokenizer.from_pretrained(tokenizer)
         count = lambda text: max(1, len(tok(text, add_special_tokens=False)["input_ids"]))  # noqa: E731
         unit = f"tokenizer {tokenizer}"
@@ -243,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--data", required=True, help="GSM8K train split, original jsonl (question, answer)")
-    parser.add_argument("--tokenizer", default=None, help="HF tokenizer folder to count tokens (default: chars/4)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="HF tokenizer folder to count tokens, or 'qwen' for Qwen's real tokenizer built offline "
+                             "(scripts/install_qwen_vocab.sh); default: chars/4")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--prompts", type=int, default=Settings.prompts)
     parser.add_argument("--max-tokens", type=int, default=Settings.max_tokens)

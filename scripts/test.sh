@@ -11,12 +11,14 @@ bash scripts/setup_env.sh dev
 # Independent installs, at once (each is mostly downloads): the system packages (+ mpi4py in
 # .venv); TRL, for the side-by-side benchmark test, in its own venv layered on .venv (never changes
 # .venv); SGLang 0.5.23's own code (--no-deps) and the sglang-router binary for tests/sglang_harness;
-# verl 0.9.1's code (--no-deps) for its reward scorers (tests/test_verl_scorers.py).
+# verl 0.9.1's code (--no-deps) for its reward scorers (tests/test_verl_scorers.py); Qwen's BPE ranks
+# for Qwen's real tokenizer (tests/test_qwen_tokenizer.py).
 bash scripts/install_test_deps.sh & system_deps=$!
 .venv/bin/python benchmarks/bench_e2e.py --setup-trl > /dev/null & trl_venv=$!
 bash scripts/setup_sglang_venv.sh & sglang_venv=$!
 bash scripts/install_verl_code.sh & verl_code=$!
-wait "$system_deps"; wait "$trl_venv"; wait "$sglang_venv"; wait "$verl_code"
+bash scripts/install_qwen_vocab.sh & qwen_vocab=$!
+wait "$system_deps"; wait "$trl_venv"; wait "$sglang_venv"; wait "$verl_code"; wait "$qwen_vocab"
 # The SGLang, Slurm, MPI and shellcheck tests fail, not skip, if what they need is missing.
 export MEGATRON_GRPO_REQUIRE_TEST_DEPS=1
 export SLURM_LOCAL_OWNER_PID=$$  # the local Slurm stops with this script, even if it is killed
