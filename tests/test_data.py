@@ -62,6 +62,28 @@ def test_prepared_gsm8k_slice_loads(tmp_path):
     assert prepare_gsm8k.main(["--input", str(bad), "--output", str(tmp_path / "x.jsonl")]) == 2
 
 
+def test_prepare_gsm8k_reports_token_lengths_with_a_tokenizer(tmp_path, tokenizer, capsys):
+    """--tokenizer: the prompts' token lengths as the trainer formats them (its chat template) and
+    the reference answers', to size data.max_prompt_length / max_response_length."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import prepare_gsm8k
+
+    folder = tmp_path / "tok"
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "gsm8k.jsonl"
+    assert prepare_gsm8k.main(["--input", str(REPO / "tests/data/gsm8k_test_slice.jsonl"), "--output", str(out),
+                               "--no-progress", "--tokenizer", str(folder)]) == 0
+    report = capsys.readouterr().out.splitlines()[-1]
+    prompts = sorted(len(tokenizer(render_chat(r.prompt, tokenizer, None), add_special_tokens=False)["input_ids"])
+                     for r in load_records(out))
+    assert report.startswith(f"tokens ({folder}): prompts as the trainer formats them median {prompts[10]}, ")
+    assert f"max {prompts[-1]}; reference answers median " in report
+    assert prepare_gsm8k.main(["--input", str(REPO / "tests/data/gsm8k_test_slice.jsonl"), "--output", str(out),
+                               "--no-progress", "--tokenizer", str(tmp_path / "none")]) == 2
+
+
 @pytest.mark.parametrize("line, message", [
     ("{not json", "invalid JSON"),
     ("[1, 2]", "expected a JSON object, got list"),

@@ -2,6 +2,7 @@
 """Convert the original GSM8K jsonl (question, answer) into prompt records (verl layout).
 
     python tools/prepare_gsm8k.py --input data/gsm8k/train.jsonl --output data/gsm8k_rl/train.parquet
+    python tools/prepare_gsm8k.py ... --tokenizer Qwen/Qwen3-8B   # + token lengths, for max_*_length
 
 Each record's prompt is the question followed by verl's instruction ("Let's think step by step and
 output the final answer after \"####\"."); the ground truth is the number after "####" in the
@@ -70,6 +71,38 @@ def convert_file(source: Path, output: Path, split: str, limit: int | None = Non
     return len(records)
 
 
+def length_report(output: Path, tokenizer_path: str) -> str:
+    """Token lengths of the written prompts, as the trainer formats them (the tokenizer's chat
+    template), and of the reference answers: what data.max_prompt_length / max_response_length
+    must hold. `qwen`: Qwen's tokenizer built offline (scripts/install_qwen_vocab.sh)."""
+    from megatron_grpo.data.io import load_records
+    from megatron_grpo.data.prompts import render_chat
+    from megatron_grpo.trainer.assembly.model_path import load_tokenizer
+
+    if tokenizer_path == "qwen":
+        from megatron_grpo.testing.qwen_tokenizer import DEFAULT_VOCAB, build_qwen_tokenizer
+
+        tokenizer_path = str(build_qwen_tokenizer(DEFAULT_VOCAB.parents[1] / "qwen-tokenizer"))
+    tokenizer = load_tokenizer(tokenizer_path, f"--tokenizer {tokenizer_path}")
+    records = load_records(output)
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    templated = bool(tokenizer.chat_template)
+    prompts = sorted(count(render_chat(r.prompt, tokenizer, None) if templated else r.prompt[-1]["content"])
+                     for r in records)
+    answers = sorted(count(r.extra_info["answer"]) for r in records)
+    formatted = "as the trainer formats them" if templated else "(the tokenizer has no chat template: the text only)"
+
+    def summary(lengths: list[int]) -> str:
+        return (f"median {lengths[len(lengths) // 2]}, p99 {lengths[min(len(lengths) - 1, len(lengths) * 99 // 100)]}"
+                f", max {lengths[-1]}")
+
+    return (f"tokens ({tokenizer_path}): prompts {formatted} {summary(prompts)}; "
+            f"reference answers {summary(answers)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -78,14 +111,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", default=None, help="split name stored in extra_info (default: input file stem)")
     parser.add_argument("--limit", type=int, default=None, help="convert only the first N questions")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--tokenizer", default=None,
+                        help="also report token lengths with this HF tokenizer (a folder or hub id; 'qwen': Qwen's, "
+                             "built offline)")
     args = parser.parse_args(argv)
     try:
         count = convert_file(args.input, args.output, args.split or args.input.stem, args.limit,
                              progress=not args.no_progress)
+        print(f"wrote {count} records to {args.output}")
+        if args.tokenizer:
+            print(length_report(args.output, args.tokenizer))
     except MegatronGRPOError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    print(f"wrote {count} records to {args.output}")
     return 0
 
 
