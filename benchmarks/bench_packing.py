@@ -95,9 +95,9 @@ def gsm8k_lengths(path: str, tokenizer: str | None = None) -> tuple[list[tuple[i
         from transformers import AutoTokenizer
 
         if tokenizer == "qwen":  # Qwen's real BPE, built offline (scripts/install_qwen_vocab.sh)
-            from megatron_grpo.testing.qwen_tokenizer import DEFAULT_VOCAB, build_qwen_tokenizer
+            from megatron_grpo.testing.qwen_tokenizer import build_qwen_tokenizer
 
-            tokenizer = str(build_qwen_tokenizer(DEFAULT_VOCAB.parents[1] / "qwen-tokenizer"))
+            tokenizer = str(build_qwen_tokenizer())
         tok = AutoTokenizer.from_pretrained(tokenizer)
         count = lambda text: max(1, len(tok(text, add_special_tokens=False)["input_ids"]))  # noqa: E731
         unit = f"tokenizer {tokenizer}"

@@ -5,9 +5,9 @@ incrementally the trajectory is exactly the whole conversation rendered at once;
 rewrites history (an earlier turn's empty <think> block is dropped) the engine's ids win, the
 observation follows the template's closing, and the mismatch is counted.
 
-The tokenizer is a character-level stand-in with Qwen3's special and added tokens (no Qwen3
-tokenizer is available offline): the renderer works on the template's text, so what is tested is
-the template's behaviour, not Qwen3's BPE merges."""
+The tokenizer is Qwen's real one, built offline from its BPE ranks with Qwen3's added tokens at
+their ids (megatron_grpo/testing/qwen_tokenizer.py, tests/test_qwen_tokenizer.py): the ids are the
+ones a Qwen3 engine would produce, BPE merges across the template's boundaries included."""
 from __future__ import annotations
 
 import glob
@@ -37,15 +37,16 @@ def template(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(chars)}, merges=[], unk_token=None))
-    backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
-    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
-    tok.add_tokens(ADDED)
+    from megatron_grpo.testing.qwen_tokenizer import DEFAULT_VOCAB, build_qwen_tokenizer
+    from tests.requirements import missing
+
+    if not DEFAULT_VOCAB.is_file():
+        missing(f"{DEFAULT_VOCAB} is missing (bash scripts/install_qwen_vocab.sh)")
+    tok = AutoTokenizer.from_pretrained(build_qwen_tokenizer())
+    assert tok.convert_tokens_to_ids([*SPECIAL, *ADDED]) == [151644, 151645, 151667, 151668, 151657, 151658,
+                                                             151665, 151666]
     return tok
 
 

@@ -32,12 +32,12 @@ PUBLISHED = [
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
+def qwen():
     from transformers import AutoTokenizer
 
     if not DEFAULT_VOCAB.is_file():
         missing(f"{DEFAULT_VOCAB} is missing (bash scripts/install_qwen_vocab.sh)")
-    return AutoTokenizer.from_pretrained(build_qwen_tokenizer(tmp_path_factory.mktemp("qwen") / "tokenizer"))
+    return AutoTokenizer.from_pretrained(build_qwen_tokenizer())
 
 
 @pytest.mark.parametrize("text, ids", PUBLISHED, ids=["english", "chinese-emoji", "code"])
@@ -48,6 +48,9 @@ def test_ids_equal_the_ones_published_for_qwens_tokenizer(qwen, text, ids):
 
 def test_chat_format_special_tokens_and_nfc(qwen):
     assert qwen.encode("<|im_start|>hello<|im_end|>") == [151644, 14990, 151645]  # as Qwen2Tokenizer gives
-    assert qwen.convert_tokens_to_ids(["<|endoftext|>"]) == [151643] and len(qwen) == 151_646
+    assert qwen.convert_tokens_to_ids(["<|endoftext|>", "<tool_call>", "<think>", "</think>"]) == [
+        151643, 151657, 151667, 151668] and len(qwen) == 151_669  # Qwen3's tokenizer_config.json
+    assert qwen.encode("<think>\n1</think>") == [151667, 198, 16, 151668]
+    assert qwen.decode([151644, 14990, 151645, 151667], skip_special_tokens=True) == "hello<think>"
     assert qwen.backend_tokenizer.normalizer.normalize_str("\u03d2\u0301") == "\u03d3"  # NFC, as Qwen2's
 

@@ -80,9 +80,9 @@ def length_report(output: Path, tokenizer_path: str) -> str:
     from megatron_grpo.trainer.assembly.model_path import load_tokenizer
 
     if tokenizer_path == "qwen":
-        from megatron_grpo.testing.qwen_tokenizer import DEFAULT_VOCAB, build_qwen_tokenizer
+        from megatron_grpo.testing.qwen_tokenizer import build_qwen_tokenizer
 
-        tokenizer_path = str(build_qwen_tokenizer(DEFAULT_VOCAB.parents[1] / "qwen-tokenizer"))
+        tokenizer_path = str(build_qwen_tokenizer())
     tokenizer = load_tokenizer(tokenizer_path, f"--tokenizer {tokenizer_path}")
     records = load_records(output)
 
