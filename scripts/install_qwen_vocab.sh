@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 target=build/qwen-vocab/qwen.tiktoken
 sha256=b2b1b8dfb5cc5f024bafc373121c6aba3f66f9a5a0269e243470a1de16a33186  # the file in dashscope 2.0.2
 [ -f "$target" ] && exit 0
+mkdir -p "$(dirname "$target")"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 .venv/bin/python -m pip download -q --no-deps dashscope==2.0.2 -d "$tmp"
