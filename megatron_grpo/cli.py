@@ -159,9 +159,8 @@ def _config_show(args: argparse.Namespace) -> int:
     if not args.no_validate:
         validate(config, world_size=args.world_size, ranks_per_node=args.ranks_per_node)
     sys.stdout.write("".join(f"# implied: {line}\n" for line in implied_settings(config)))
-    if args.check_data:
-        from megatron_grpo.trainer.assembly.data_check import check_data
-
+    if args.check_data:  # the trainer's own checks, imported only when asked for (as subcommands are)
+        check_data = import_target("megatron_grpo.trainer.assembly.data_check:check_data")
         sys.stdout.write("".join(f"# data: {line}\n" for line in check_data(config)))
     sys.stdout.write(to_yaml(config))
     return 0
@@ -196,7 +195,12 @@ def _dispatcher(name: str, command: Command) -> Callable[[argparse.Namespace], O
 def load_command(name: str, command: Command) -> Callable[[list[str]], Optional[int]]:
     """Imports the subcommand's function (tests/test_cli.py checks every target resolves); an
     import error inside its module propagates (a real bug or a missing dependency)."""
-    module_name, _, function_name = command.target.partition(":")
+    return import_target(command.target)
+
+
+def import_target(target: str) -> Callable:
+    """"package.module:function", imported now."""
+    module_name, _, function_name = target.partition(":")
     return getattr(importlib.import_module(module_name), function_name)
 
 
