@@ -14,19 +14,21 @@ from megatron_grpo.errors import ConfigError
 
 def check_data(cfg: Config) -> list[str]:
     """Raises the trainer's own ConfigError / DataError; returns what was found, one line each."""
+    from megatron_grpo.trainer.assembly.initial_model import initial_tokenizer_folder
     from megatron_grpo.trainer.assembly.model_path import check_context_length, check_tokenizer_fits, load_tokenizer
     from megatron_grpo.trainer.assembly.prompt_data import load_prompts
 
+    model_folder = _model_folder(cfg) if cfg.model.path else None
     with tempfile.TemporaryDirectory(prefix="megatron-grpo-check-") as scratch:
-        tokenizer_source, tokenizer_dir = _tokenizer_folder(cfg, Path(scratch))
+        if cfg.model.tokenizer_path or model_folder is None:
+            tokenizer_source, tokenizer_dir = initial_tokenizer_folder(cfg, Path(scratch) / "tokenizer")
+        else:
+            tokenizer_source, tokenizer_dir = "model.path", model_folder
         tokenizer = load_tokenizer(tokenizer_dir, tokenizer_source)
-        context, vocab, where = _model_context(cfg, len(tokenizer))
+        context, vocab, where = _model_context(cfg, model_folder, len(tokenizer))
         check_context_length(cfg, context, f"max_position_embeddings in {where}")
-        if cfg.model.path:
-            check_tokenizer_fits(vocab, tokenizer, Path(where).parent, tokenizer_source)
-        elif vocab < len(tokenizer):  # as the initial model's build refuses it
-            raise ConfigError(f"model.override_config.vocab_size={vocab} is smaller than the tokenizer's "
-                              f"{len(tokenizer)} tokens")
+        if model_folder is not None:
+            check_tokenizer_fits(vocab, tokenizer, model_folder, tokenizer_source)
         train, evals = load_prompts(cfg, tokenizer)
     longest = max((len(p.input_ids) for p in train), default=0)
     return [f"model context {context} tokens >= data.max_prompt_length + data.max_response_length = "
@@ -37,31 +39,18 @@ def check_data(cfg: Config) -> list[str]:
             f"eval: {len(evals)} prompts" if evals else "eval: none"]
 
 
-def _tokenizer_folder(cfg: Config, scratch: Path) -> tuple[str, Path]:
-    if cfg.model.tokenizer_path:
-        return f"model.tokenizer_path={cfg.model.tokenizer_path}", Path(cfg.model.tokenizer_path)
-    if cfg.model.path:
-        return "model.path", _model_folder(cfg)
-    if cfg.data.task:
-        from megatron_grpo.data.synthetic import build_tokenizer
-
-        return f"the synthetic task {cfg.data.task}'s", build_tokenizer(scratch / "tokenizer")
-    raise ConfigError("model.path is not set: set model.path (an HF folder), or model.tokenizer_path / "
-                      "data.task to initialise a model from model.config_path / model.override_config")
-
-
-def _model_context(cfg: Config, tokenizer_tokens: int) -> tuple[int, int, str]:
-    """(max_position_embeddings, vocab_size, where they were read)."""
-    if cfg.model.path:
-        path = _model_folder(cfg) / "config.json"
+def _model_context(cfg: Config, model_folder: Path | None, tokenizer_tokens: int) -> tuple[int, int, str]:
+    """(max_position_embeddings, vocab_size, where they were read); the initial model's vocab_size
+    check (initial_vocab_size) raises here."""
+    if model_folder is not None:
+        path = model_folder / "config.json"
         hf = json.loads(path.read_text())
         return int(hf["max_position_embeddings"]), int(hf["vocab_size"]), str(path)
-    from megatron_grpo.trainer.assembly.initial_model import initial_hf_config
+    from megatron_grpo.trainer.assembly.initial_model import (initial_config_source, initial_hf_config,
+                                                              initial_vocab_size)
 
     hf = initial_hf_config(cfg)
-    vocab = cfg.model.override_config.get("vocab_size", tokenizer_tokens)  # sized to the tokenizer otherwise
-    where = "model.config_path" if cfg.model.config_path else "model.override_config"
-    return int(hf.max_position_embeddings), int(vocab), where
+    return int(hf.max_position_embeddings), initial_vocab_size(cfg, hf, tokenizer_tokens), initial_config_source(cfg)
 
 
 def _model_folder(cfg: Config) -> Path:

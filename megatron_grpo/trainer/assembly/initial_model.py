@@ -47,30 +47,46 @@ def initial_hf_config(cfg: Config):
     return AutoConfig.for_model(model_type, **overrides)
 
 
+def initial_config_source(cfg: Config) -> str:
+    """The key the initial model's config comes from, for messages."""
+    return "model.config_path" if cfg.model.config_path else "model.override_config"
+
+
+def initial_tokenizer_folder(cfg: Config, synthetic_dir: Path) -> tuple[str, Path]:
+    """(the key it comes from, the folder) of the initial model's tokenizer: model.tokenizer_path,
+    or the synthetic task's, built into `synthetic_dir`."""
+    if cfg.model.tokenizer_path:
+        return f"model.tokenizer_path={cfg.model.tokenizer_path}", Path(cfg.model.tokenizer_path)
+    if cfg.data.task:
+        from megatron_grpo.data.synthetic import build_tokenizer
+
+        return f"the synthetic task {cfg.data.task}'s", build_tokenizer(synthetic_dir)
+    raise ConfigError("model.path is not set: set model.path (an HF folder), or model.tokenizer_path / "
+                      "data.task to initialise a model from model.config_path / model.override_config")
+
+
+def initial_vocab_size(cfg: Config, hf_config, tokenizer_tokens: int) -> int:
+    """The initial model's embedding rows. The architecture's default vocabulary (151,936 for Qwen3)
+    would dwarf a tiny model: the tokenizer's size, unless the recipe sets vocab_size itself (which
+    must cover the tokenizer)."""
+    if "vocab_size" not in cfg.model.override_config:
+        return tokenizer_tokens
+    if hf_config.vocab_size < tokenizer_tokens:
+        raise ConfigError(f"model.override_config.vocab_size={hf_config.vocab_size} is smaller than the "
+                          f"tokenizer's {tokenizer_tokens} tokens")
+    return hf_config.vocab_size
+
+
 def _write_initial_model(cfg: Config, target: Path, record: dict) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from megatron_grpo.trainer.assembly.model_path import load_tokenizer
     from megatron_grpo.trainer.state.run_folder import INIT_RECORD
 
-    tokenizer_dir = target.with_name("synthetic_tokenizer")
-    if cfg.model.tokenizer_path:
-        tokenizer = load_tokenizer(cfg.model.tokenizer_path, f"model.tokenizer_path={cfg.model.tokenizer_path}")
-    elif cfg.data.task:
-        from megatron_grpo.data.synthetic import build_tokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(build_tokenizer(tokenizer_dir))
-    else:
-        raise ConfigError("model.path is not set: set model.path (an HF folder), or model.tokenizer_path / "
-                          "data.task to initialise a model from model.config_path / model.override_config")
+    source, folder = initial_tokenizer_folder(cfg, target.with_name("synthetic_tokenizer"))
+    tokenizer = load_tokenizer(folder, source)
     hf_config = initial_hf_config(cfg)
-    # The architecture's default vocabulary (151,936 for Qwen3) would dwarf a tiny model: size the
-    # embedding to the tokenizer unless the recipe sets vocab_size itself.
-    if "vocab_size" not in cfg.model.override_config:
-        hf_config.vocab_size = len(tokenizer)
-    elif hf_config.vocab_size < len(tokenizer):
-        raise ConfigError(f"model.override_config.vocab_size={hf_config.vocab_size} is smaller than the "
-                          f"tokenizer's {len(tokenizer)} tokens")
+    hf_config.vocab_size = initial_vocab_size(cfg, hf_config, len(tokenizer))
     hf_config.pad_token_id = tokenizer.pad_token_id
     hf_config.eos_token_id = tokenizer.eos_token_id
     torch.manual_seed(cfg.trainer.seed)

@@ -32,11 +32,12 @@ def prepare_model_folder(cfg: Config, output_dir: Path) -> Path:
         folder = hf_model_folder(_resolved_model_path(cfg.model.path), output_dir)
         _warn_unapplied_overrides(cfg.model.override_config, folder)
         return folder
-    from megatron_grpo.trainer.assembly.initial_model import ensure_initial_model, initial_hf_config
+    from megatron_grpo.trainer.assembly.initial_model import (ensure_initial_model, initial_config_source,
+                                                              initial_hf_config)
 
     # Before the model is written (it takes a while for a large one): its context is known now.
-    where = "model.config_path" if cfg.model.config_path else "model.override_config"
-    check_context_length(cfg, initial_hf_config(cfg).max_position_embeddings, f"max_position_embeddings of {where}")
+    check_context_length(cfg, initial_hf_config(cfg).max_position_embeddings,
+                         f"max_position_embeddings of {initial_config_source(cfg)}")
     target = output_dir / INITIAL_MODEL_DIR
     on_rank0(ensure_initial_model, cfg, target)
     return target
