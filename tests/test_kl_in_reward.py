@@ -105,7 +105,7 @@ def test_adaptive_coefficient_follows_verls_controller_for_30_steps(verl):
     and batch sizes: the coefficients agree bitwise at every step (the same float64 arithmetic)."""
     rng = random.Random(1)
     theirs = verl.AdaptiveKLController(init_kl_coef=0.05, target_kl=0.1, horizon=200)
-    ours = AdaptiveKLController(0.05, 0.1, 200)
+    ours = AdaptiveKLController(0.05, target=0.1, horizon=200)
     fixed_theirs, fixed_ours = verl.FixedKLController(kl_coef=0.05), FixedKLController(0.05)
     trajectory = []
     for _ in range(30):

@@ -35,7 +35,7 @@ class KLController(Protocol):
 
 @dataclass
 class FixedKLController:
-    value: float
+    value: float  # the whole state a checkpoint keeps (the settings come from the recipe)
 
     def update(self, current_kl: float, n_steps: int) -> None:
         pass
@@ -47,9 +47,8 @@ class FixedKLController:
         self.value = float(state["value"])
 
 
-@dataclass
-class AdaptiveKLController:
-    value: float
+@dataclass(kw_only=True)
+class AdaptiveKLController(FixedKLController):
     target: float
     horizon: int
 
@@ -57,19 +56,13 @@ class AdaptiveKLController:
         proportional_error = min(max(current_kl / self.target - 1, -0.2), 0.2)
         self.value *= 1 + proportional_error * n_steps / self.horizon
 
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = float(state["value"])
-
 
 def make_kl_controller(kind: str, kl_coef: float, target_kl: float, horizon: int) -> KLController:
     """algorithm.kl_ctrl.* (validation checks target_kl and horizon > 0 for adaptive)."""
     if kind == "fixed":
         return FixedKLController(kl_coef)
     if kind == "adaptive":
-        return AdaptiveKLController(kl_coef, target_kl, horizon)
+        return AdaptiveKLController(kl_coef, target=target_kl, horizon=horizon)
     raise ValueError(f"unknown KL controller {kind!r} (fixed | adaptive)")
 
 

@@ -40,6 +40,13 @@ class RecordFormat:
     scalar_ground_truth_for: str | None = None
 
 
+def _column_problem(obj: dict, column: str, default: str, config_key: str, expected: str) -> str:
+    """'<column>' (<config_key> when renamed) must be <expected>; the row's keys when it is absent."""
+    named = "" if column == default else f" ({config_key})"
+    keys = f"; the row's keys: {', '.join(map(str, obj))}" if column not in obj else ""
+    return f"'{column}'{named} must be {expected}{keys}"
+
+
 def parse_record(obj: Any, where: str, fmt: RecordFormat = RecordFormat()) -> PromptRecord:
     """A PromptRecord from one decoded row; DataError "<where>: <what is wrong>" otherwise."""
     def fail(what: str) -> DataError:
@@ -50,14 +57,11 @@ def parse_record(obj: Any, where: str, fmt: RecordFormat = RecordFormat()) -> Pr
     prompt_key, source_key = fmt.prompt_key, fmt.reward_fn_key
     data_source = obj.get(source_key)
     if not isinstance(data_source, str) or not data_source:
-        named = "" if source_key == "data_source" else " (data.reward_fn_key)"
-        raise fail(f"'{source_key}'{named} must be a non-empty string"
-                   + (f"; the row's keys: {', '.join(map(str, obj))}" if source_key not in obj else ""))
+        raise fail(_column_problem(obj, source_key, "data_source", "data.reward_fn_key", "a non-empty string"))
     prompt = obj.get(prompt_key)
     if not isinstance(prompt, (list, tuple)) or not prompt:
-        named = "" if prompt_key == "prompt" else " (data.prompt_key)"
-        raise fail(f"'{prompt_key}'{named} must be a non-empty list of chat messages {{role, content}}"
-                   + (f"; the row's keys: {', '.join(map(str, obj))}" if prompt_key not in obj else ""))
+        raise fail(_column_problem(obj, prompt_key, "prompt", "data.prompt_key",
+                                   "a non-empty list of chat messages {role, content}"))
     messages = []
     for i, message in enumerate(prompt):
         if not isinstance(message, dict):
