@@ -33,6 +33,8 @@ COMMANDS: Mapping[str, Command] = MappingProxyType({
     "train": Command("megatron_grpo.trainer.main:main", "train with GRPO: train RECIPE [key.sub=value ...]"),
     "eval": Command("megatron_grpo.trainer.evaluation.eval_cli:main", "evaluate a checkpoint on the validation set"),
     "convert": Command("megatron_grpo.convert.cli:main", "convert checkpoints between HF and Megatron"),
+    "doctor": Command("megatron_grpo.doctor.cli:main",
+                      "check this node against a recipe's needs: doctor [RECIPE] [key.sub=value ...]"),
     "export": Command("megatron_grpo.convert.export_cli:main",
                       "a training checkpoint -> HF folder: export RUN_DIR|CHECKPOINT_DIR [--step N] --out HF_DIR"),
 })

@@ -6,7 +6,7 @@ from types import ModuleType
 
 from megatron_grpo.errors import MissingExtraError
 
-# module -> the extra of setup.py that installs it
+# module -> the extra (pyproject.toml) that installs it
 EXTRAS = {
     "transformer_engine": "gpu",
     "sglang": "sglang",

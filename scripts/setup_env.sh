@@ -6,7 +6,7 @@
 #   MEGATRON_GRPO_VENV    venv folder                          [.venv]
 #   MEGATRON_GRPO_PYTHON  interpreter that creates the venv    [python3]
 #   MEGATRON_GRPO_TORCH   torch version                        [2.13.0]
-#   MEGATRON_GRPO_MCORE   megatron-core version                [newest that setup.py and the Python allow]
+#   MEGATRON_GRPO_MCORE   megatron-core version                [newest that pyproject.toml and the Python allow]
 # e.g. CI's second lane: MEGATRON_GRPO_VENV=.venv312 MEGATRON_GRPO_TORCH=2.14.1 MEGATRON_GRPO_MCORE=0.19.2
 #      MEGATRON_GRPO_PYTHON=/root/.pyenv/versions/3.12.1/bin/python3.12 bash scripts/setup_env.sh
 set -euo pipefail
@@ -16,7 +16,7 @@ venv="${MEGATRON_GRPO_VENV:-.venv}"
 python="${MEGATRON_GRPO_PYTHON:-python3}"
 torch="${MEGATRON_GRPO_TORCH:-2.13.0}"
 mcore="${MEGATRON_GRPO_MCORE:-}"
-stamp="$venv/.installed-$extras-torch$torch-mcore${mcore:-any}-$(sha1sum setup.py | cut -c1-12)"
+stamp="$venv/.installed-$extras-torch$torch-mcore${mcore:-any}-$(sha1sum pyproject.toml | cut -c1-12)"
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi

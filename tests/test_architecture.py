@@ -30,6 +30,7 @@ ALLOWED = {
     "rollout": {"errors", "convert", "launch", "optional"},
     "trainer": {"errors", "optional", "config", "algo", "data", "launch", "ops", "models", "rewards",
                 "environments", "checkpointing", "convert", "rollout"},
+    "doctor": {"errors", "config"},
     "cli": {"errors", "config"},
     "train": {"cli"},
 }

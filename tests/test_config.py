@@ -200,10 +200,10 @@ def test_defaults_relative_to_including_file_and_errors_name_base_file(tmp_path)
 
 
 def test_defaults_errors(tmp_path):
-    from megatron_grpo.config.recipe_file import RECIPE_DIRS
+    from megatron_grpo.config.recipe_file import RECIPE_DIR
 
     recipe = write(tmp_path, "r.yaml", "defaults: [missing.yaml]\n")
-    looked = ", ".join(str(d / "missing.yaml") for d in (tmp_path, *RECIPE_DIRS))
+    looked = f"{tmp_path / 'missing.yaml'}, {RECIPE_DIR / 'missing.yaml'}"
     assert error_of(load_config, recipe) == (
         f"{recipe}:1: defaults entry 'missing.yaml' not found (looked for {looked})")
     write(tmp_path, "a.yaml", "defaults: [b.yaml]\n")

@@ -9,26 +9,24 @@ import yaml
 
 from megatron_grpo.config.coerce import build
 from megatron_grpo.config.overrides import apply_override
-from megatron_grpo.config.recipe_file import RECIPE_DIRS, RawRecipe, load_recipe
+from megatron_grpo.config.recipe_file import RECIPE_DIR, RawRecipe, load_recipe
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError
 
-# Bare recipe names (`tiny_cpu`) are looked up in RECIPE_DIRS (recipe_file.py), as `defaults:` entries are.
+# Bare recipe names (`tiny_cpu`) are looked up in RECIPE_DIR (recipe_file.py), as `defaults:` entries are.
 
 
 def resolve_recipe(name: str | Path) -> Path:
-    """A recipe file path: `name` itself if it is a file, else `<name>[.yaml]` in RECIPE_DIRS."""
+    """A recipe file path: `name` itself if it is a file, else `<name>[.yaml]` in RECIPE_DIR."""
     path = Path(name)
     if path.is_file():
         return path
     if path.parent == Path("."):
-        filename = path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml"
-        for folder in RECIPE_DIRS:
-            if (folder / filename).is_file():
-                return folder / filename
-    known = sorted({p.stem for d in RECIPE_DIRS if d.is_dir() for p in d.glob("*.yaml")})
-    raise ConfigError(f"recipe '{name}' not found: no such file, and no {path.stem}.yaml in "
-                      f"{', '.join(str(d) for d in RECIPE_DIRS if d.is_dir()) or 'the recipe folders'}"
+        shipped = RECIPE_DIR / (path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml")
+        if shipped.is_file():
+            return shipped
+    known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+    raise ConfigError(f"recipe '{name}' not found: no such file, and no {path.stem}.yaml in {RECIPE_DIR}"
                       f" (available: {', '.join(known) or 'none'})")
 
 

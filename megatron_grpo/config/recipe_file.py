@@ -1,7 +1,7 @@
 """Reading YAML recipes: line numbers for every key, and `defaults:` inheritance.
 
 A recipe may start with `defaults: [base.yaml, ...]`: each path is looked up next to the recipe
-file, then in the shipped recipe folders (RECIPE_DIRS), so a recipe anywhere can build on
+file, then in the shipped recipes (RECIPE_DIR), so a recipe anywhere can build on
 `base.yaml` or `tiny_cpu.yaml`. The bases are merged in order, then the recipe itself; mappings
 merge key by key, every other value (lists included) is replaced whole by the later layer.
 """
@@ -18,11 +18,9 @@ from megatron_grpo.errors import ConfigError
 
 DEFAULTS_KEY = "defaults"
 
-# The shipped recipes: the source tree's recipes/ and, in an installed package, megatron_grpo/recipes/.
-RECIPE_DIRS = (
-    Path(__file__).resolve().parents[2] / "recipes",
-    Path(__file__).resolve().parents[1] / "recipes",
-)
+# The shipped recipes, package data (the source tree's top-level recipes/ is a link to it), so an
+# installed wheel finds them as a checkout does.
+RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
 
 @dataclass
@@ -104,10 +102,10 @@ def load_recipe(path: Path, _chain: tuple[Path, ...] = ()) -> RawRecipe:
         raise ConfigError(f"{where}: defaults must be a list of recipe paths, got {bases!r}")
     merged = RawRecipe({}, {})
     for base in bases:
-        candidates = [path.parent / base, *(folder / base for folder in RECIPE_DIRS)]
+        candidates = [path.parent / base, RECIPE_DIR / base]
         base_path = next((c for c in candidates if c.is_file()), None)
         if base_path is None:
-            looked = ", ".join(str(c) for c in dict.fromkeys(candidates))
+            looked = ", ".join(str(c) for c in candidates)
             raise ConfigError(f"{where}: defaults entry '{base}' not found (looked for {looked})")
         layer = load_recipe(base_path, (*_chain, here))
         deep_merge(merged.data, layer.data)

@@ -1,0 +1,41 @@
+"""`megatron-grpo doctor [RECIPE] [key.sub=value ...]`: the table of what the recipe needs against
+what this node has; exit 1 when anything blocks the run, 2 for a bad recipe. Without a recipe,
+the environment alone (as the embedded default recipe, tiny_cpu, would need it).
+
+The sbatch scripts run it on every node (`srun --ntasks-per-node=1`) with the job's layout
+(--world-size, --ranks-per-node) and the engines' ports (--port) before anything starts."""
+from __future__ import annotations
+
+import argparse
+import socket
+from typing import Optional, Sequence
+
+from megatron_grpo.config import load_config
+from megatron_grpo.doctor.needs import Placement, check_recipe
+from megatron_grpo.doctor.report import blockers, render_table
+
+DEFAULT_RECIPE = "tiny_cpu"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-grpo doctor", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE, help="a recipe file or name [tiny_cpu]")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    parser.add_argument("--world-size", type=int, default=None, help="trainer ranks of the whole job")
+    parser.add_argument("--ranks-per-node", type=int, default=None, help="trainer ranks (GPUs) on each node")
+    parser.add_argument("--port", type=int, action="append", dest="ports", default=None,
+                        help="a server port that must be free on this node (repeat; default: the recipe's "
+                             "when the trainer starts the engines)")
+    parser.add_argument("--bind-host", default=None, help="the address those servers bind [rollout.sglang.host]")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = load_config(args.recipe, args.overrides)
+    placement = Placement(world_size=args.world_size, ranks_per_node=args.ranks_per_node,
+                          ports=tuple(args.ports) if args.ports is not None else None, bind_host=args.bind_host)
+    findings = check_recipe(config, placement)
+    print(render_table(findings, f"megatron-grpo doctor: recipe {args.recipe} on {socket.gethostname()}"), end="")
+    return 1 if blockers(findings) else 0

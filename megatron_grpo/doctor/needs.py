@@ -1,0 +1,289 @@
+"""The recipe's needs, checked against this node: one Finding per row of the doctor's table."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from megatron_grpo.config import validate
+from megatron_grpo.config.schema import Config
+from megatron_grpo.doctor import node
+from megatron_grpo.doctor.report import Finding
+from megatron_grpo.doctor.tested import canonical, tested_versions
+from megatron_grpo.errors import ConfigError
+
+# A megatron checkpoint holds, per parameter, the bf16 weight and the distributed optimizer's fp32
+# main weight, Adam's exp_avg and exp_avg_sq: 2 + 3 x 4 bytes.
+CHECKPOINT_BYTES_PER_PARAM = 14
+HF_EXPORT_BYTES_PER_PARAM = 2  # checkpoint.save_hf: the policy in bf16
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the recipe runs: what the sbatch scripts know and the recipe does not."""
+
+    world_size: Optional[int] = None  # trainer ranks of the whole job; None = not checked
+    ranks_per_node: Optional[int] = None  # trainer ranks (GPUs) on this node
+    ports: Optional[tuple[int, ...]] = None  # server ports that must be free here; None = the recipe's
+    bind_host: Optional[str] = None  # address those servers bind; None = rollout.sglang.host
+
+
+def check_recipe(config: Config, placement: Placement) -> list[Finding]:
+    findings: list[Finding] = []
+    for check in (_python, _torch_and_gpus, _packages, _paths, _output, _ports, _network, _layout, _api_key):
+        findings += check(config, placement)
+    return findings
+
+
+def launches_engines(config: Config) -> bool:
+    """True when SGLang servers start for this run (by the trainer or slurm/), so this node needs SGLang."""
+    return config.rollout.engine == "sglang" and not config.rollout.sglang.urls
+
+
+def _versus_tested(check: str, pkg: node.Package, dist: str, needed: bool, why: str) -> Finding:
+    tested = tested_versions().get(canonical(dist))
+    needs = f"{why}; tested {tested}" if tested else why
+    if not pkg.imports:
+        has = pkg.error if pkg.version is None else f"{pkg.version}, does not import ({pkg.error})"
+        return Finding.blocker(check, needs, has) if needed else Finding.note(check, needs, has)
+    if tested and pkg.version and pkg.version.split("+")[0] != tested:
+        return Finding.note(check, needs, f"{pkg.version} (not the tested version)")
+    return Finding.ok(check, needs, pkg.version or "installed")
+
+
+def _python(config: Config, placement: Placement) -> list[Finding]:
+    have = platform.python_version()
+    if sys.version_info < (3, 10):
+        return [Finding.blocker("python", ">= 3.10; tested 3.12", have)]
+    status = Finding.ok if sys.version_info[:2] == (3, 12) else Finding.note
+    return [status("python", ">= 3.10; tested 3.12", have)]
+
+
+def _needs_cuda(config: Config) -> bool:
+    return config.trainer.device == "cuda" or launches_engines(config)
+
+
+def _torch_and_gpus(config: Config, placement: Placement) -> list[Finding]:
+    view = node.torch_view()
+    tested = tested_versions().get("torch")
+    if view.version is None:
+        return [Finding.blocker("torch", f"tested {tested}", f"absent ({view.error})")]
+    if tested and view.version.split("+")[0] != tested:
+        torch_row = Finding.note("torch", f"tested {tested}", f"{view.version} (not the tested version)")
+    else:
+        torch_row = Finding.ok("torch", f"tested {tested}", view.version)
+    build = f"CUDA {view.cuda_build} build" if view.cuda_build else "CPU build"
+    ranks = placement.ranks_per_node or 1
+    if not _needs_cuda(config):
+        needs = "none (trainer.device=cpu)" if config.trainer.device == "cpu" else "optional (trainer.device=auto)"
+        has = f"{build}, {len(view.gpus)} visible" if view.cuda_available else f"{build}, none usable"
+        return [torch_row, Finding.ok("GPUs", needs, has)]
+    reason = "trainer.device=cuda" if config.trainer.device == "cuda" else "SGLang engines"
+    needs = f"CUDA, {ranks} GPU(s) on this node ({reason})"
+    if not view.cuda_available:
+        why = "a CPU build of torch" if not view.cuda_build else "no GPU visible (CUDA_VISIBLE_DEVICES, the driver)"
+        return [torch_row, Finding.blocker("GPUs", needs, f"none: {why}")]
+    names = sorted({f"{g.name} ({g.memory_gib:.0f} GiB)" for g in view.gpus})
+    has = f"{len(view.gpus)} x {', '.join(names)}; {build}"
+    rows = [torch_row, (Finding.ok if len(view.gpus) >= ranks else Finding.blocker)("GPUs", needs, has)]
+    rows.append((Finding.ok if view.nccl else Finding.blocker)("NCCL", "for the trainer's collectives",
+                                                            view.nccl or "absent from this torch build"))
+    return rows
+
+
+def _packages(config: Config, placement: Placement) -> list[Finding]:
+    impl = config.model.transformer_impl
+    te_needed = impl == "transformer_engine"
+    te_why = ("model.transformer_impl=transformer_engine" if te_needed
+              else "optional: the local layer spec without it (slower on GPUs)")
+    sglang_here = launches_engines(config)
+    router_here = sglang_here and config.rollout.sglang.router
+    mpi_needed = _under_mpi_without_master()
+    rows = [
+        _versus_tested("megatron-core", node.package("megatron.core", "megatron-core", "megatron_core"),
+                       "megatron-core", True, "the policy"),
+        _versus_tested("transformers", node.package("transformers"), "transformers", True, "tokenizers, HF configs"),
+        _versus_tested("transformer-engine", node.package("transformer_engine.pytorch", "transformer-engine",
+                                                          "transformer_engine_torch", "transformer_engine"),
+                       "transformer-engine", te_needed, te_why),
+        _versus_tested("apex", node.package("apex"), "apex", False, "optional, not used by default"),
+        _versus_tested("sglang", node.package("sglang"), "sglang", sglang_here,
+                       "the rollout engines started here" if sglang_here else f"not needed ({_engine_why(config)})"),
+        _versus_tested("sglang-router", node.package("sglang_router", "sglang-router"), "sglang-router", router_here,
+                       "rollout.sglang.router=true" if router_here else "not needed (no router)"),
+        _versus_tested("mpi4py", node.package("mpi4py"), "mpi4py", mpi_needed,
+                       "mpirun without MASTER_ADDR" if mpi_needed else "only under mpirun without MASTER_ADDR"),
+    ]
+    return rows
+
+
+def _engine_why(config: Config) -> str:
+    return "rollout.engine=local" if config.rollout.engine == "local" else "engines given by rollout.sglang.urls"
+
+
+def _under_mpi_without_master() -> bool:
+    return "MASTER_ADDR" not in os.environ and any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
+
+
+def _paths(config: Config, placement: Placement) -> list[Finding]:
+    rows = []
+    m = config.model
+    for key, value in (("model.path", m.path), ("model.config_path", m.config_path),
+                       ("model.tokenizer_path", m.tokenizer_path), ("ref.model_path", config.ref.model_path)):
+        if value is None:
+            if key == "model.path":
+                rows.append(Finding.ok(key, "the initial policy", "none: built from trainer.seed at the start"))
+            continue
+        path = Path(value)
+        if path.exists():
+            problem = node.unreadable(path)
+            rows.append(Finding.blocker(key, "readable", f"{value}: {problem}") if problem
+                        else Finding.ok(key, "readable", value))
+        elif os.environ.get("HF_HUB_OFFLINE") == "1" or "/" not in value.strip("/") or value.startswith(("/", ".")):
+            rows.append(Finding.blocker(key, "a readable local folder or file", f"{value}: no such path"))
+        else:
+            rows.append(Finding.note(key, "a local folder (compute nodes often have no internet)",
+                                     f"{value}: not a local path, so a hub id fetched at the start"))
+    for key, files in (("data.train_files", config.data.train_files), ("data.val_files", config.data.val_files)):
+        for file in files:
+            problem = node.unreadable(Path(file)) if Path(file).exists() else "no such file"
+            rows.append(Finding.blocker(key, "readable", f"{file}: {problem}") if problem
+                        else Finding.ok(key, "readable", file))
+    if config.data.task and not config.data.train_files:
+        rows.append(Finding.ok("data.task", "prompts", f"{config.data.task} (synthetic, made at the start)"))
+    return rows
+
+
+def _output(config: Config, placement: Placement) -> list[Finding]:
+    out_dir = Path(config.logging.output_dir)
+    save_dir = Path(config.checkpoint.save_dir) if config.checkpoint.save_dir else out_dir / "checkpoints"
+    rows = []
+    probe = node.writable_folder(out_dir)
+    rows.append(Finding.blocker("logging.output_dir", "writable", f"{out_dir}: {probe.error} (at {probe.existing})")
+                if probe.error else Finding.ok("logging.output_dir", "writable", str(out_dir)))
+    ckpt = node.writable_folder(save_dir)
+    params = _parameter_count(config)
+    per_save = None if params is None else params * (
+        CHECKPOINT_BYTES_PER_PARAM + (HF_EXPORT_BYTES_PER_PARAM if config.checkpoint.save_hf else 0))
+    keep = config.checkpoint.keep_last
+    free = f"{ckpt.free_bytes / GIB:.1f} GiB free at {ckpt.existing}"
+    if per_save is None:
+        needs = "writable (size unknown: no model folder to measure)"
+    else:
+        peak = "every save kept" if keep is None else f"{keep + 1} at peak with keep_last={keep}"
+        needs = f"writable, {per_save / GIB:.1f} GiB a checkpoint ({params / 1e9:.2f}B params; {peak})"
+    if ckpt.error:
+        rows.append(Finding.blocker("checkpoint.save_dir", needs, f"{save_dir}: {ckpt.error}"))
+    elif per_save is not None and ckpt.free_bytes < per_save:
+        rows.append(Finding.blocker("checkpoint.save_dir", needs, free))
+    elif per_save is not None and keep is not None and ckpt.free_bytes < per_save * (keep + 1):
+        rows.append(Finding.note("checkpoint.save_dir", needs, free))
+    else:
+        rows.append(Finding.ok("checkpoint.save_dir", needs, free))
+    return rows
+
+
+def _parameter_count(config: Config) -> Optional[int]:
+    """Parameters of the model folder's weights, from their size on disk and config.json's dtype."""
+    if config.model.path is None or not Path(config.model.path).is_dir():
+        return None
+    folder = Path(config.model.path)
+    weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    if not weights:
+        return None
+    try:
+        dtype = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("torch_dtype", "bfloat16")
+    except (OSError, ValueError):
+        dtype = "bfloat16"
+    return weights // (4 if dtype == "float32" else 2)
+
+
+def _ports(config: Config, placement: Placement) -> list[Finding]:
+    s = config.rollout.sglang
+    ports = placement.ports
+    if ports is None:  # the trainer starts the servers on rank 0's node
+        if not launches_engines(config):
+            return []
+        ports = tuple(s.port + i for i in range(s.num_engines)) + ((s.router_port,) if s.router else ())
+    host = placement.bind_host or s.host
+    taken = {port: problem for port in ports if (problem := node.port_taken(host, port))}
+    needs = f"{_port_list(ports)} free on {host} (servers bind them)"
+    if taken:
+        return [Finding.blocker("ports", needs, "; ".join(f"{port}: {why}" for port, why in taken.items()))]
+    return [Finding.ok("ports", needs, "free")]
+
+
+def _port_list(ports: tuple[int, ...]) -> str:
+    """30000-30007, 30080: consecutive ports as a range."""
+    runs: list[list[int]] = []
+    for port in ports:
+        if runs and port == runs[-1][-1] + 1:
+            runs[-1].append(port)
+        else:
+            runs.append([port])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _network(config: Config, placement: Placement) -> list[Finding]:
+    rows = []
+    present = node.interfaces()
+    for variable in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        value = os.environ.get(variable)
+        if not value:
+            if (placement.world_size or 0) > (placement.ranks_per_node or placement.world_size or 0):
+                rows.append(Finding.note(variable, "the interface between nodes", "unset: the library picks one"))
+            continue
+        matched = _matching_interfaces(value, present)
+        usable = [i for i in matched if i.up and i.ipv4]
+        has = ", ".join(f"{i.name} {'/'.join(i.ipv4) or 'no IPv4'}{'' if i.up else ' (down)'}" for i in matched)
+        rows.append(Finding.ok(variable, f"{value}: an interface that is up", has) if usable else
+                    Finding.blocker(variable, f"{value}: an interface that is up with an address",
+                                    has or f"no such interface (this node has {', '.join(sorted(present))})"))
+    return rows
+
+
+def _matching_interfaces(spec: str, present: dict[str, node.Interface]) -> list[node.Interface]:
+    """NCCL's syntax: a comma list of name prefixes; `=` for exact names; `^` excludes."""
+    exclude = spec.startswith("^")
+    exact = spec.lstrip("^").startswith("=")
+    names = [n for n in spec.lstrip("^").lstrip("=").split(",") if n]
+
+    def matches(name: str) -> bool:
+        return any(name == n if exact else name.startswith(n) for n in names)
+
+    return [i for name, i in sorted(present.items()) if matches(name) != exclude and (not exclude or name != "lo")]
+
+
+def _layout(config: Config, placement: Placement) -> list[Finding]:
+    rows = []
+    if placement.world_size is not None:
+        needs = f"{placement.world_size} ranks, {placement.ranks_per_node or '?'} per node: batches and layout fit"
+        try:
+            validate(config, world_size=placement.world_size, ranks_per_node=placement.ranks_per_node)
+        except ConfigError as exc:
+            rows.append(Finding.blocker("layout", needs, str(exc)))
+        else:
+            rows.append(Finding.ok("layout", needs, "agree"))
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE")
+    if gpus and _needs_cuda(config):
+        visible = len(node.torch_view().gpus)
+        rows.append(Finding.ok("Slurm GPUs", f"SLURM_GPUS_ON_NODE={gpus} visible", f"{visible} visible")
+                    if str(visible) == gpus.split(":")[-1] else
+                    Finding.blocker("Slurm GPUs", f"SLURM_GPUS_ON_NODE={gpus} visible", f"{visible} visible"))
+    return rows
+
+
+def _api_key(config: Config, placement: Placement) -> list[Finding]:
+    if config.rollout.engine != "sglang":
+        return []
+    variable = config.rollout.sglang.api_key_env
+    if variable is None:
+        return [Finding.note("engine API key", "a key, so only this run can call the engines",
+                             "none: rollout.sglang.api_key_env is not set (the slurm/ scripts set one)")]
+    return [Finding.ok("engine API key", f"${variable} set", "set") if os.environ.get(variable)
+            else Finding.blocker("engine API key", f"${variable} set (rollout.sglang.api_key_env)", "unset")]
