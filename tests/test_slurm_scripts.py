@@ -24,7 +24,8 @@ GPU_SCRIPTS = {  # script -> (recipe, nodes)
 }
 SHELL_FILES = sorted([*REPO.glob("slurm/*.sh"), *REPO.glob("slurm/lib/*.sh"),
                       REPO / "scripts/start_local_slurm.sh", REPO / "scripts/stop_local_slurm.sh",
-                      REPO / "scripts/install_test_deps.sh"])
+                      REPO / "scripts/install_test_deps.sh", REPO / "scripts/lock_cluster_env.sh",
+                      REPO / "docker/install.sh"])
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # options may come between the overrides
     config = load_config(args.recipe, args.overrides)
     placement = Placement(world_size=args.world_size, ranks_per_node=args.ranks_per_node,
                           ports=tuple(args.ports) if args.ports is not None else None, bind_host=args.bind_host)

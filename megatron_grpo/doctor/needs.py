@@ -97,10 +97,6 @@ def _torch_and_gpus(config: Config, placement: Placement) -> list[Finding]:
 
 
 def _packages(config: Config, placement: Placement) -> list[Finding]:
-    impl = config.model.transformer_impl
-    te_needed = impl == "transformer_engine"
-    te_why = ("model.transformer_impl=transformer_engine" if te_needed
-              else "optional: the local layer spec without it (slower on GPUs)")
     sglang_here = launches_engines(config)
     router_here = sglang_here and config.rollout.sglang.router
     mpi_needed = _under_mpi_without_master()
@@ -110,7 +106,7 @@ def _packages(config: Config, placement: Placement) -> list[Finding]:
         _versus_tested("transformers", node.package("transformers"), "transformers", True, "tokenizers, HF configs"),
         _versus_tested("transformer-engine", node.package("transformer_engine.pytorch", "transformer-engine",
                                                           "transformer_engine_torch", "transformer_engine"),
-                       "transformer-engine", te_needed, te_why),
+                       "transformer-engine", False, "optional: used when it imports, else the local spec (slower)"),
         _versus_tested("apex", node.package("apex"), "apex", False, "optional, not used by default"),
         _versus_tested("sglang", node.package("sglang"), "sglang", sglang_here,
                        "the rollout engines started here" if sglang_here else f"not needed ({_engine_why(config)})"),

@@ -120,7 +120,8 @@ def unreadable(path: Path) -> Optional[str]:
             with open(file, "rb") as handle:
                 handle.read(1)
     except OSError as exc:
-        return f"{exc.strerror or exc} ({exc.filename or path})"
+        where = f" ({exc.filename})" if exc.filename and Path(exc.filename) != path else ""
+        return f"{exc.strerror or exc}{where}"
     return None
 
 
