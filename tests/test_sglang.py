@@ -23,7 +23,9 @@ from megatron_grpo.rollout.sglang.engine import EngineOptions, SGLangEngine
 from megatron_grpo.rollout.sglang.errors import (SGLangConnectionError, SGLangError, SGLangTimeoutError,
                                                  SGLangUnavailableError)
 from megatron_grpo.rollout.sglang.http_json import RetryPolicy, request_json
-from megatron_grpo.rollout.sglang.launcher import RouterSettings, ServerSettings, router_command, server_command
+from megatron_grpo.errors import ConfigError
+from megatron_grpo.rollout.sglang.launcher import (API_KEY_VARIABLE, RouterSettings, ServerSettings, router_command,
+                                                  server_command)
 from megatron_grpo.rollout.sglang.pool import EnginePool, EngineSlot
 from megatron_grpo.rollout.sglang.protocol import generate_payloads
 from megatron_grpo.rollout.sglang.verify import WeightSample, WeightVerificationError, verify_engines
@@ -71,20 +73,26 @@ def test_buckets_are_bounded_ordered_and_complete():
 
 
 def test_launcher_command_lines():
-    """was: --enable-deterministic-inference never passed, so seeds did nothing on a real server."""
+    """was: --enable-deterministic-inference never passed, so seeds did nothing on a real server; and
+    the API key was on the command line, which every user of the node sees in `ps`."""
     settings = ServerSettings(model_path="/m", tokenizer_path="/t", tp_size=4, mem_fraction_static=0.7, host="10.0.0.2",
                               port=31000, api_key="k", enable_memory_saver=True, enable_deterministic_inference=True,
                               extra_args=("--attention-backend", "fa3"),
                               command=("python3", "-m", "sglang.launch_server"))
     assert server_command(settings) == [
-        "python3", "-m", "sglang.launch_server", "--model-path", "/m", "--tokenizer-path", "/t", "--tp-size", "4",
-        "--host", "10.0.0.2",
-        "--port", "31000", "--mem-fraction-static", "0.7", "--api-key", "k", "--enable-memory-saver",
+        "python3", "-m", "megatron_grpo.rollout.sglang.api_key_exec", API_KEY_VARIABLE, "sglang.launch_server",
+        "--model-path", "/m", "--tokenizer-path", "/t", "--tp-size", "4", "--host", "10.0.0.2",
+        "--port", "31000", "--mem-fraction-static", "0.7", "--enable-memory-saver",
         "--enable-deterministic-inference", "--attention-backend", "fa3"]
     router = RouterSettings(port=30100, command=("python3", "-m", "sglang_router.launch_router"))
     assert router_command(router, ["http://a:1", "http://b:2"]) == [
         "python3", "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", "30100", "--policy",
         "round_robin", "--worker-urls", "http://a:1", "http://b:2"]
+    keyed = RouterSettings(port=30100, api_key="k", command=("python3", "-m", "sglang_router.launch_router"))
+    assert router_command(keyed, ["http://a:1"])[:5] == [
+        "python3", "-m", "megatron_grpo.rollout.sglang.api_key_exec", API_KEY_VARIABLE, "sglang_router.launch_router"]
+    with pytest.raises(ConfigError, match="must run `python -m MODULE`"):
+        server_command(ServerSettings(model_path="/m", api_key="k", command=("/opt/bin/start-sglang",)))
 
 
 def test_unreachable_servers_give_one_error_naming_them():

@@ -47,9 +47,10 @@ def server_settings(model_dir: str | Path, tp_size: int = 1, extra_args: Sequenc
                           command=server_command())
 
 
-def router_settings(policy: str = "round_robin", extra_args: Sequence[str] = ()) -> RouterSettings:
+def router_settings(policy: str = "round_robin", extra_args: Sequence[str] = (),
+                    api_key: str | None = None) -> RouterSettings:
     # Its Prometheus exporter binds a fixed port by default: two routers on one machine collide.
-    return RouterSettings(port=free_server_port(), policy=policy,
+    return RouterSettings(port=free_server_port(), policy=policy, api_key=api_key,
                           extra_args=("--prometheus-port", str(free_server_port()), *extra_args),
                           command=(sglang_python(), "-m", "sglang_router.launch_router"))
 

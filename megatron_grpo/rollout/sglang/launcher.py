@@ -6,7 +6,10 @@ SIGKILL), at close(), at interpreter exit, and, on Linux, when the launching thr
 
 Ready means: an engine answers `GET /health_generate` (it generated a token; `/health` may answer
 before the model can serve), a router answers `GET /readiness` (its `/health` is 200 even with no
-live worker)."""
+live worker).
+
+An API key never goes on a command line (`ps` shows every user's): the process gets it in the
+environment (API_KEY_VARIABLE) and runs through api_key_exec.py, which hands it to the module."""
 from __future__ import annotations
 
 import atexit
@@ -19,9 +22,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from megatron_grpo.errors import ConfigError
 from megatron_grpo.launch.lifetime import preexec_die_with_parent
 from megatron_grpo.rollout.sglang.errors import SGLangError
 from megatron_grpo.rollout.sglang.http_json import request_json
+
+
+API_KEY_VARIABLE = "MEGATRON_GRPO_SGLANG_API_KEY"  # the launched process's key (api_key_exec.py)
+
+
+def keyed_command(command: Sequence[str], api_key: str | None) -> list[str]:
+    """`python -m MODULE` -> `python -m megatron_grpo.rollout.sglang.api_key_exec VARIABLE MODULE`
+    when there is a key: the key then comes from the environment."""
+    command = list(command)
+    if not api_key:
+        return command
+    if "-m" not in command[:-1]:
+        raise ConfigError(f"cannot pass an API key to {' '.join(command)} without putting it on the command line: "
+                          "rollout.sglang.launch_command / router_command must run `python -m MODULE`")
+    at = command.index("-m") + 1
+    return [*command[:at], "megatron_grpo.rollout.sglang.api_key_exec", API_KEY_VARIABLE, *command[at:]]
 
 
 @dataclass(frozen=True)
@@ -49,13 +69,11 @@ class ServerSettings:
 
 
 def server_command(settings: ServerSettings) -> list[str]:
-    cmd = [*settings.command, "--model-path", str(settings.model_path),
+    cmd = [*keyed_command(settings.command, settings.api_key), "--model-path", str(settings.model_path),
            *(["--tokenizer-path", str(settings.tokenizer_path)] if settings.tokenizer_path else []),
            "--tp-size", str(settings.tp_size), "--host", settings.host, "--port", str(settings.port)]
     if settings.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(settings.mem_fraction_static)]
-    if settings.api_key:
-        cmd += ["--api-key", settings.api_key]
     if settings.enable_memory_saver:
         cmd += ["--enable-memory-saver"]
     if settings.base_gpu_id is not None:
@@ -70,6 +88,7 @@ class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 30100
     policy: str = "round_robin"
+    api_key: str | None = None  # protects its routes and is sent to the workers (sglang-router's --api-key)
     extra_args: tuple[str, ...] = ()
     command: tuple[str, ...] = (sys.executable, "-m", "sglang_router.launch_router")
 
@@ -79,7 +98,7 @@ class RouterSettings:
 
 
 def router_command(settings: RouterSettings, worker_urls: Sequence[str]) -> list[str]:
-    return [*settings.command, "--host", settings.host, "--port",
+    return [*keyed_command(settings.command, settings.api_key), "--host", settings.host, "--port",
             str(settings.port), "--policy", settings.policy, "--worker-urls", *worker_urls, *settings.extra_args]
 
 
@@ -91,6 +110,7 @@ class ManagedProcess:
     log_path: Path
     cmd: list[str]
     ready_path: str  # the GET route that answers 200 once it can serve
+    api_key: str | None = None  # in its environment, never in cmd
 
     def log_tail(self, chars: int = 2000) -> str:
         try:
@@ -115,25 +135,23 @@ class SGLangLauncher:
         atexit.register(self.shutdown)
         for index, settings in enumerate(self.servers):
             self._spawn(f"sglang-{index}-port{settings.port}", settings.url, server_command(settings),
-                        "/health_generate")
+                        "/health_generate", settings.api_key)
         return [s.url for s in self.servers]
 
-    def _spawn(self, name: str, url: str, cmd: list[str], ready_path: str) -> ManagedProcess:
+    def _spawn(self, name: str, url: str, cmd: list[str], ready_path: str, api_key: str | None) -> ManagedProcess:
         log_path = Path(self.log_dir) / f"{name}.log"
-        with open(log_path, "ab") as log:
+        env = {**os.environ, **self.env, **({API_KEY_VARIABLE: api_key} if api_key else {})}
+        # SGLang writes its settings, the key among them, to this log: only this user may read it
+        with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
             # SIGTERM when the launching thread dies (also on kill -9 of the trainer): SGLang's
             # handler then stops its scheduler and detokenizer too.
-            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                        start_new_session=True, preexec_fn=preexec_die_with_parent(signal.SIGTERM))
-        managed = ManagedProcess(name, url, process, log_path, cmd, ready_path)
+        managed = ManagedProcess(name, url, process, log_path, cmd, ready_path, api_key)
         self.processes.append(managed)
         return managed
-
-    @property
-    def _api_key(self) -> str | None:
-        return next((s.api_key for s in self.servers if s.api_key), None)
 
     def wait_healthy(self, timeout_s: float = 900.0, poll_s: float = 1.0) -> str | None:
         """Waits until every server can generate (then starts the router and waits until it is ready).
@@ -141,31 +159,32 @@ class SGLangLauncher:
         Returns the URL to send /generate to (router or None). Raises SGLangError naming the URL
         and the log tail if a server exits or is not ready within timeout_s."""
         for proc in list(self.processes):
-            self._wait_one(proc, time.monotonic() + timeout_s, poll_s, self._api_key)
+            self._wait_one(proc, time.monotonic() + timeout_s, poll_s)
         if self.router is None:
             return None
         router = self._spawn(f"sglang-router-port{self.router.port}", self.router.url,
-                             router_command(self.router, [s.url for s in self.servers]), "/readiness")
-        self._wait_one(router, time.monotonic() + timeout_s, poll_s, None)
+                             router_command(self.router, [s.url for s in self.servers]), "/readiness",
+                             self.router.api_key)
+        self._wait_one(router, time.monotonic() + timeout_s, poll_s)
         return self.router.url
 
     def restart(self, index: int, timeout_s: float = 900.0, poll_s: float = 1.0) -> None:
         """Stops server `index` (if anything is left of it) and starts it again on the same port."""
         old = self.processes[index]
         _stop(old, grace_s=5.0)
-        new = self._spawn(old.name, old.url, old.cmd, old.ready_path)
+        new = self._spawn(old.name, old.url, old.cmd, old.ready_path, old.api_key)
         self.processes.remove(new)
         self.processes[index] = new
-        self._wait_one(new, time.monotonic() + timeout_s, poll_s, self._api_key)
+        self._wait_one(new, time.monotonic() + timeout_s, poll_s)
 
-    def _wait_one(self, proc: ManagedProcess, deadline: float, poll_s: float, api_key: str | None) -> None:
+    def _wait_one(self, proc: ManagedProcess, deadline: float, poll_s: float) -> None:
         while True:
             code = proc.process.poll()
             if code is not None:
                 raise SGLangError(f"{proc.name} ({proc.url}) exited with code {code} before becoming ready; "
                                   f"log {proc.log_path}:\n{proc.log_tail()}", proc.url)
             try:
-                request_json(proc.url, proc.ready_path, method="GET", timeout_s=30.0, api_key=api_key)
+                request_json(proc.url, proc.ready_path, method="GET", timeout_s=30.0, api_key=proc.api_key)
                 return
             except SGLangError:
                 pass

@@ -1,13 +1,15 @@
 """rollout.engine=sglang: the recipe's rollout.sglang section -> servers, client, weight transport.
 
 Servers are either given (`rollout.sglang.urls`, e.g. started by the sbatch scripts) or launched
-here on this node (`num_engines` x `tp_size` GPUs, ports port, port+1, ...). Weights and control
+here on this node (`num_engines` x `tp_size` GPUs, ports port, port+1, ...). The key they answer to
+comes from $rollout.sglang.api_key_env, or is made here, for this run only, when they start here. Weights and control
 calls always go to every engine directly; a router, if any, only serves /generate.
 """
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -34,6 +36,9 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
         api_key = os.environ.get(s.api_key_env)
         if not api_key:
             raise ConfigError(f"rollout.sglang.api_key_env={s.api_key_env}: that environment variable is not set")
+    elif not s.urls:
+        # servers started here answer only this run, even on loopback (every user of the node reaches it)
+        api_key = secrets.token_urlsafe(32)
     launcher, router_url = None, None
     if s.urls:
         urls, router_url = list(s.urls), s.router_url
@@ -50,7 +55,7 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
                    for i in range(s.num_engines)]
         router = None
         if s.router:
-            router = RouterSettings(host=s.host, port=s.router_port, policy=s.router_policy,
+            router = RouterSettings(host=s.host, port=s.router_port, policy=s.router_policy, api_key=api_key,
                                     command=tuple(s.router_command) or (sys.executable, "-m",
                                                                         "sglang_router.launch_router"))
         launcher = SGLangLauncher(servers=servers, log_dir=output_dir / "sglang_logs", router=router)
