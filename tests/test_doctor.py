@@ -64,7 +64,6 @@ def test_broken_environments_give_one_line_each(tmp_path):
     assert without_router.returncode == 1, without_router.stdout + without_router.stderr
     lines = [line for line in without_router.stdout.splitlines() if line.startswith("blocker: ")]
     assert lines == [
-        "blocker: GPUs: needs CUDA, 1 GPU(s) on this node (SGLang engines), has none: a CPU build of torch",
         "blocker: sglang: needs the rollout engines started here; tested 0.5.23, has absent",
         "blocker: sglang-router: needs rollout.sglang.router=true; tested 0.3.2, has absent",
         f"blocker: model.path: needs readable, has {model}: Permission denied",

@@ -121,8 +121,19 @@ def test_dry_run_qwen3_8b_colocated() -> None:
         assert f"--tp-size 1 --base-gpu-id {i} " in engine["cmd"]
         assert "--enable-memory-saver" in engine["cmd"] and "--mem-fraction-static 0.4" in engine["cmd"]
         assert "--enable-deterministic-inference" in engine["cmd"]  # the trainer's seeds take effect
-        assert "-m sglang.launch_server" in engine["cmd"]
+        # the key comes from the job's environment, never on the command line
+        assert "-m megatron_grpo.rollout.sglang.api_key_exec GRPO_SGLANG_API_KEY sglang.launch_server " in engine["cmd"]
+        assert "--api-key" not in engine["cmd"]
     assert plan["router"] == []
+    # the doctor runs first, once per node, with the job's layout and the engines' ports
+    lines = result.stdout.splitlines()
+    doctor = next(i for i, line in enumerate(lines) if line.startswith("[dry-run] doctor :: "))
+    assert doctor < min(i for i, line in enumerate(lines) if line.startswith("[dry-run] launch :: "))
+    assert "srun --nodes=1 --ntasks-per-node=1 --ntasks=1 --job-name=doctor" in lines[doctor]
+    assert "-m megatron_grpo.cli doctor qwen3_8b_gsm8k " in lines[doctor]
+    assert "--world-size 8 --ranks-per-node 8 " in lines[doctor]
+    assert "".join(f"--port {30000 + 10 * i} " for i in range(8)) + "--starts-engines" in lines[doctor]
+    assert re.search(r"^\[dry-run\] env GRPO_SGLANG_API_KEY=<64 random hex digits", result.stdout, re.M)
     trainer_launch = plan["launch"][-1]["cmd"]
     assert "srun --nodes=1 --ntasks-per-node=8 --ntasks=8" in trainer_launch
     assert "--overlap" in trainer_launch and "--kill-on-bad-exit=1" in trainer_launch
@@ -130,6 +141,7 @@ def test_dry_run_qwen3_8b_colocated() -> None:
     assert sum("--overlap --nodes=1 --ntasks=1 --nodelist=node1" in launch["cmd"] for launch in plan["launch"]) == 8
     cmd = trainer["cmd"]
     assert "-m megatron_grpo.train qwen3_8b_gsm8k" in cmd
+    assert "rollout.sglang.api_key_env=GRPO_SGLANG_API_KEY" in cmd
     for i in range(8):
         assert f"http://node1:{30000 + 10 * i}" in cmd
     assert cmd.endswith("actor.optim.lr=2e-6")  # the user's override comes last and wins

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_grpo.launch.env import free_server_port
 from megatron_grpo.testing.distributed import DistributedChildError, free_port, run_distributed
-from megatron_grpo.rollout.sglang.launcher import SGLangLauncher
+from megatron_grpo.rollout.sglang.launcher import API_KEY_VARIABLE, SGLangLauncher
 from tests.sglang_harness.fixtures import harness_env, launch_servers, server_settings, trainer_overrides
 
 pytestmark = pytest.mark.slow  # starts SGLang test servers
@@ -85,7 +85,11 @@ def test_trainer_launches_servers_and_router_distributed_sync(tmp_path, policy_d
     commands = [log.read_text(errors="replace").splitlines()[0] for log in logs]
     engine_commands = [c for c in commands if "sglang_harness.server" in c]
     assert len(engine_commands) == 2 and all("--enable-deterministic-inference" in c for c in engine_commands)
-    assert any("sglang_router.launch_router" in c for c in commands)
+    router_commands = [c for c in commands if "sglang_router.launch_router" in c]
+    assert len(router_commands) == 1
+    # every process got the run's key, from its environment: none on a command line
+    keyed = f"-m megatron_grpo.rollout.sglang.api_key_exec {API_KEY_VARIABLE} "
+    assert all(keyed in c and "--api-key" not in c for c in engine_commands + router_commands), commands
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a server port that must be free on this node (repeat; default: the recipe's "
                              "when the trainer starts the engines)")
     parser.add_argument("--bind-host", default=None, help="the address those servers bind [rollout.sglang.host]")
+    parser.add_argument("--starts-engines", action="store_true",
+                        help="the job starts SGLang servers on its nodes (the sbatch scripts), even where the "
+                             "recipe gives their URLs")
     return parser
 
 
@@ -35,7 +38,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # options may come between the overrides
     config = load_config(args.recipe, args.overrides)
     placement = Placement(world_size=args.world_size, ranks_per_node=args.ranks_per_node,
-                          ports=tuple(args.ports) if args.ports is not None else None, bind_host=args.bind_host)
+                          ports=tuple(args.ports) if args.ports is not None else None, bind_host=args.bind_host,
+                          starts_engines=args.starts_engines)
     findings = check_recipe(config, placement)
     print(render_table(findings, f"megatron-grpo doctor: recipe {args.recipe} on {socket.gethostname()}"), end="")
     return 1 if blockers(findings) else 0

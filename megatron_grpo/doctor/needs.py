@@ -31,6 +31,7 @@ class Placement:
     ranks_per_node: Optional[int] = None  # trainer ranks (GPUs) on this node
     ports: Optional[tuple[int, ...]] = None  # server ports that must be free here; None = the recipe's
     bind_host: Optional[str] = None  # address those servers bind; None = rollout.sglang.host
+    starts_engines: bool = False  # the job starts SGLang servers on its nodes (slurm/), whatever the urls say
 
 
 def check_recipe(config: Config, placement: Placement) -> list[Finding]:
@@ -40,9 +41,10 @@ def check_recipe(config: Config, placement: Placement) -> list[Finding]:
     return findings
 
 
-def launches_engines(config: Config) -> bool:
-    """True when SGLang servers start for this run (by the trainer or slurm/), so this node needs SGLang."""
-    return config.rollout.engine == "sglang" and not config.rollout.sglang.urls
+def launches_engines(config: Config, placement: Placement) -> bool:
+    """True when SGLang servers start on this node for this run (by the trainer, or by slurm/, which
+    hands the trainer their URLs), so the node needs SGLang."""
+    return config.rollout.engine == "sglang" and (placement.starts_engines or not config.rollout.sglang.urls)
 
 
 def _versus_tested(check: str, pkg: node.Package, dist: str, needed: bool, why: str) -> Finding:
@@ -65,7 +67,8 @@ def _python(config: Config, placement: Placement) -> list[Finding]:
 
 
 def _needs_cuda(config: Config) -> bool:
-    return config.trainer.device == "cuda" or launches_engines(config)
+    """SGLang picks its own device (it has a CPU backend): only the trainer's device decides."""
+    return config.trainer.device == "cuda"
 
 
 def _torch_and_gpus(config: Config, placement: Placement) -> list[Finding]:
@@ -83,8 +86,7 @@ def _torch_and_gpus(config: Config, placement: Placement) -> list[Finding]:
         needs = "none (trainer.device=cpu)" if config.trainer.device == "cpu" else "optional (trainer.device=auto)"
         has = f"{build}, {len(view.gpus)} visible" if view.cuda_available else f"{build}, none usable"
         return [torch_row, Finding.ok("GPUs", needs, has)]
-    reason = "trainer.device=cuda" if config.trainer.device == "cuda" else "SGLang engines"
-    needs = f"CUDA, {ranks} GPU(s) on this node ({reason})"
+    needs = f"CUDA, {ranks} GPU(s) on this node (trainer.device=cuda)"
     if not view.cuda_available:
         why = "a CPU build of torch" if not view.cuda_build else "no GPU visible (CUDA_VISIBLE_DEVICES, the driver)"
         return [torch_row, Finding.blocker("GPUs", needs, f"none: {why}")]
@@ -97,7 +99,7 @@ def _torch_and_gpus(config: Config, placement: Placement) -> list[Finding]:
 
 
 def _packages(config: Config, placement: Placement) -> list[Finding]:
-    sglang_here = launches_engines(config)
+    sglang_here = launches_engines(config, placement)
     router_here = sglang_here and config.rollout.sglang.router
     mpi_needed = _under_mpi_without_master()
     rows = [
@@ -203,7 +205,7 @@ def _ports(config: Config, placement: Placement) -> list[Finding]:
     s = config.rollout.sglang
     ports = placement.ports
     if ports is None:  # the trainer starts the servers on rank 0's node
-        if not launches_engines(config):
+        if not launches_engines(config, placement):
             return []
         ports = tuple(s.port + i for i in range(s.num_engines)) + ((s.router_port,) if s.router else ())
     host = placement.bind_host or s.host

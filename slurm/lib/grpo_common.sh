@@ -7,13 +7,19 @@
 #      the recipe; a bad recipe fails here, before any server starts;
 #   2. plans the placement: trainer nodes and tasks, and which node/GPUs/port each SGLang engine
 #      gets (ENGINE_PLACEMENT, below);
-#   3. starts one `srun` step per engine (python -m sglang.launch_server), waits until each answers
+#   3. runs `megatron-grpo doctor` on every node (one srun task each): the recipe's needs against
+#      each node (packages, GPUs, model and data readable, output writable with room for a
+#      checkpoint, ports free, network interfaces); stops with the nodes' blocker lines;
+#   4. makes the job's engine API key (GRPO_SGLANG_API_KEY, random, exported to every step, never on
+#      a command line: rollout/sglang/api_key_exec.py hands it to SGLang's and the router's
+#      --api-key), then starts one `srun` step per engine (python -m sglang.launch_server), waits until each answers
 #      GET /health_generate (it generated a token), then the router (python -m
 #      sglang_router.launch_router) on the batch node, ready on GET /readiness (its /health is 200
 #      even with no live worker);
-#   4. starts the trainer with ONE srun TASK PER GPU (python -m megatron_grpo.train RECIPE
-#      logging.output_dir=RUN_DIR rollout.sglang.urls=[...] "$@"), waits for it;
-#   5. on exit, USR1 (`--signal=B:USR1@120`: time limit / preemption notice) or TERM: forwards
+#   5. starts the trainer with ONE srun TASK PER GPU (python -m megatron_grpo.train RECIPE
+#      logging.output_dir=RUN_DIR rollout.sglang.urls=[...] rollout.sglang.api_key_env=GRPO_SGLANG_API_KEY
+#      "$@"), waits for it;
+#   6. on exit, USR1 (`--signal=B:USR1@120`: time limit / preemption notice) or TERM: forwards
 #      the signal to the trainer (which checkpoints and stops), stops every server it started by
 #      pid (TERM, then KILL after SERVER_STOP_GRACE_S), and, with GRPO_RESUBMIT=1, submits the
 #      same script again with the same arguments and run folder (the trainer resumes with
@@ -49,6 +55,7 @@
 #                        (SGLang takes a few ports above its own)        [rollout.sglang.port]
 #   SGLANG_PORT_STRIDE   [10]
 #   SGLANG_BIND_HOST     address the servers bind   [the node's name, so other nodes reach them]
+#   GRPO_SGLANG_API_KEY  the key engines and router answer to            [random, per job]
 #   SGLANG_STARTUP_TIMEOUT_S  health wait           [rollout.sglang.startup_timeout_s]
 #   ENGINE_CPUS          CPUs of each engine step   [SLURM_CPUS_ON_NODE / engines per node, >= 1]
 #   GRPO_NET_IFNAME      NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (e.g. ib0, eth0)
@@ -61,6 +68,7 @@
 #                        Works inside an allocation (DRY_RUN=1 sbatch ...) and outside one
 #                        (DRY_RUN=1 bash slurm/X.sh: nodes from DRY_RUN_NODELIST or node1..N)
 
+GRPO_KEYED=megatron_grpo.rollout.sglang.api_key_exec  # runs a module with --api-key from the environment
 GRPO_PIDS=()        # every process this script started (srun clients, router)
 GRPO_PID_NAMES=()
 GRPO_TRAINER_PID=""
@@ -231,7 +239,7 @@ grpo_engine_url() { printf 'http://%s:%s' "${SGLANG_BIND_HOST:-${GRPO_ENGINE_HOS
 # grpo_engine_cmd K: sets GRPO_CMD (what runs on the node) and GRPO_LAUNCH (the srun around it)
 grpo_engine_cmd() {
     local k=$1 host=${GRPO_ENGINE_HOST[$1]} per_node cpus
-    GRPO_CMD=("$GRPO_PYTHON" -m "${SGLANG_MODULE:-sglang.launch_server}"
+    GRPO_CMD=("$GRPO_PYTHON" -m "$GRPO_KEYED" GRPO_SGLANG_API_KEY "${SGLANG_MODULE:-sglang.launch_server}"
         --model-path "${SGLANG_MODEL_PATH:-${HF_MODEL:-$R_MODEL_PATH}}" --tp-size "$R_TP"
         --base-gpu-id "${GRPO_ENGINE_BASE_GPU[$k]}" --host "${SGLANG_BIND_HOST:-$host}" --port "${GRPO_ENGINE_PORT[$k]}"
         --mem-fraction-static "$R_MEM_FRACTION")
@@ -254,7 +262,7 @@ grpo_router_cmd() {
     local urls=() k
     for ((k = 0; k < ${#GRPO_ENGINE_HOST[@]}; k++)); do urls+=("$(grpo_engine_url "$k")"); done
     GRPO_ROUTER_URL=$(grpo_router_url)
-    GRPO_CMD=("$GRPO_PYTHON" -m "${SGLANG_ROUTER_MODULE:-sglang_router.launch_router}" --host "${SGLANG_BIND_HOST:-$GRPO_BATCH_HOST}"
+    GRPO_CMD=("$GRPO_PYTHON" -m "$GRPO_KEYED" GRPO_SGLANG_API_KEY "${SGLANG_ROUTER_MODULE:-sglang_router.launch_router}" --host "${SGLANG_BIND_HOST:-$GRPO_BATCH_HOST}"
         --port "$R_ROUTER_PORT" --policy "$R_ROUTER_POLICY" --worker-urls "${urls[@]}")
 }
 
@@ -265,7 +273,7 @@ grpo_engine_overrides() {
     GRPO_ENGINE_OVERRIDES=()
     if [ "${#GRPO_ENGINE_HOST[@]}" -gt 0 ]; then
         for ((k = 0; k < ${#GRPO_ENGINE_HOST[@]}; k++)); do url_list+="${url_list:+,}\"$(grpo_engine_url "$k")\""; done
-        GRPO_ENGINE_OVERRIDES+=("rollout.sglang.urls=[$url_list]")
+        GRPO_ENGINE_OVERRIDES+=("rollout.sglang.urls=[$url_list]" "rollout.sglang.api_key_env=GRPO_SGLANG_API_KEY")
         [ "$R_ROUTER" = 1 ] && GRPO_ENGINE_OVERRIDES+=("rollout.sglang.router_url=$(grpo_router_url)")
     fi
     return 0
@@ -300,11 +308,52 @@ grpo_network_env() {
     export PYTHONUNBUFFERED=1
 }
 
+# ------------------------------------------------------------------------------ doctor, key
+# grpo_doctor_cmd: `megatron-grpo doctor` once on every node, with the job's layout and ports
+grpo_doctor_cmd() {
+    local ports=() port
+    if [ "${#GRPO_ENGINE_HOST[@]}" -gt 0 ]; then
+        for port in $(printf '%s\n' "${GRPO_ENGINE_PORT[@]}" | sort -un); do ports+=(--port "$port"); done
+        [ "$R_ROUTER" = 1 ] && ports+=(--port "$R_ROUTER_PORT")
+        ports+=(--starts-engines --bind-host 0.0.0.0)
+    fi
+    GRPO_CMD=("$GRPO_PYTHON" -m megatron_grpo.cli doctor "$RECIPE" "logging.output_dir=$GRPO_RUN_DIR"
+        "${GRPO_ENGINE_OVERRIDES[@]}" "${GRPO_ARGS[@]}" --world-size "$GRPO_WORLD"
+        --ranks-per-node "$GRPO_TASKS_PER_NODE" "${ports[@]}")
+    GRPO_LAUNCH=(srun --nodes="$GRPO_NNODES" --ntasks-per-node=1 --ntasks="$GRPO_NNODES" --job-name=doctor
+        --kill-on-bad-exit=0 --output="$GRPO_LOG_DIR/doctor-%N.log")
+}
+
+grpo_doctor() {
+    local log blockers=""
+    grpo_doctor_cmd
+    grpo_log "doctor on ${GRPO_NODES[*]}: $(grpo_quote "${GRPO_LAUNCH[@]}" "${GRPO_CMD[@]}")"
+    "${GRPO_LAUNCH[@]}" "${GRPO_CMD[@]}" && { grpo_log "doctor: every node has what the recipe needs"; return 0; }
+    for log in "$GRPO_LOG_DIR"/doctor-*.log; do
+        [ -f "$log" ] || continue
+        blockers+=$(sed -n "s/^blocker: /  $(basename "$log" .log | sed 's/^doctor-//'): /p" "$log")$'\n'
+    done
+    grpo_die "the doctor found what would stop the run (tables in $GRPO_LOG_DIR/doctor-*.log):"$'\n'"${blockers:-  (no blocker lines: see the logs)}"
+}
+
+# The engines' and the router's key: the job's own, random (GRPO_SGLANG_API_KEY set outside wins).
+# Exported, so every srun step gets it in its environment; `ps` shows none of it.
+grpo_api_key() {
+    [ "${#GRPO_ENGINE_HOST[@]}" -gt 0 ] || return 0
+    if [ -z "${GRPO_SGLANG_API_KEY:-}" ]; then
+        GRPO_SGLANG_API_KEY=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+    fi
+    export GRPO_SGLANG_API_KEY
+}
+
 # ------------------------------------------------------------------------------ dry run
 grpo_dry_run() {
     local k n idx r0 gpus i
     echo "[dry-run] recipe=$RECIPE nodes=${GRPO_NNODES} (${GRPO_NODES[*]}) gpus_per_node=$GPUS_PER_NODE placement=$GRPO_PLACEMENT trainer_nodes=$GRPO_TRAINER_NNODES tasks_per_node=$GRPO_TASKS_PER_NODE world=$GRPO_WORLD engines=${#GRPO_ENGINE_HOST[@]} run_dir=$GRPO_RUN_DIR"
     echo "[dry-run] env NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-} OMP_NUM_THREADS=$OMP_NUM_THREADS"
+    grpo_doctor_cmd
+    echo "[dry-run] doctor :: $(grpo_quote "${GRPO_LAUNCH[@]}" "${GRPO_CMD[@]}")"
+    [ "${#GRPO_ENGINE_HOST[@]}" -gt 0 ] && echo "[dry-run] env GRPO_SGLANG_API_KEY=<${#GRPO_SGLANG_API_KEY} random hex digits, this job's; exported to every step, on no command line>"
     for ((k = 0; k < ${#GRPO_ENGINE_HOST[@]}; k++)); do
         grpo_engine_cmd "$k"
         echo "[dry-run] launch :: $(grpo_quote "${GRPO_LAUNCH[@]}" "${GRPO_CMD[@]}")"
@@ -396,6 +445,7 @@ grpo_resubmit() {
     [ -r "$script" ] || script=$0
     # This job's SLURM_* variables must not leak into the next job (SLURM_CONF may stay).
     for v in $(compgen -e | grep '^SLURM_' | grep -v '^SLURM_CONF$'); do unset_args+=(-u "$v"); done
+    unset_args+=(-u GRPO_SGLANG_API_KEY)  # the next job makes its own
     read -r -a extra <<< "${GRPO_SBATCH_ARGS:-}"
     if env "${unset_args[@]}" GRPO_RUN_DIR="$GRPO_RUN_DIR" GRPO_RESUBMIT_COUNT=$((count + 1)) \
         sbatch --dependency="afterany:$SLURM_JOB_ID" --nodes="$SLURM_JOB_NUM_NODES" "${extra[@]}" "$script" "${GRPO_ARGS[@]}" \
@@ -434,6 +484,7 @@ grpo_main() {
     GRPO_RUN_DIR=${GRPO_RUN_DIR:-${OUTPUT_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}/outputs}/${SLURM_JOB_NAME:-grpo}-${SLURM_JOB_ID:-dryrun}}
     GRPO_LOG_DIR=$GRPO_RUN_DIR/logs
     grpo_network_env
+    grpo_api_key
     # The full recipe check, batch sizes against the data-parallel size and the engines against the
     # trainer's GPUs included (with the engine URLs the trainer gets); the resolved config is kept
     # in the run folder.
@@ -444,6 +495,7 @@ grpo_main() {
     if [ "${DRY_RUN:-0}" = 1 ]; then grpo_dry_run; return 0; fi
 
     mkdir -p "$GRPO_LOG_DIR" || grpo_die "cannot create $GRPO_LOG_DIR"
+    chmod 700 "$GRPO_LOG_DIR"  # SGLang writes its settings, the key among them, into its log
     GRPO_LOG_FILE=$GRPO_LOG_DIR/batch.log
     trap grpo_on_exit EXIT
     trap 'grpo_on_signal USR1' USR1
@@ -454,6 +506,7 @@ grpo_main() {
         | grep -v '_API_KEY=' | sort > "$GRPO_RUN_DIR/env-${SLURM_JOB_ID}.txt"
     printf '%s\n' "$GRPO_CONFIG_YAML" > "$GRPO_RUN_DIR/config-${SLURM_JOB_ID}.yaml"
     DRY_RUN=1 grpo_dry_run > "$GRPO_RUN_DIR/commands-${SLURM_JOB_ID}.txt"
+    grpo_doctor
 
     local k urls=()
     for ((k = 0; k < ${#GRPO_ENGINE_HOST[@]}; k++)); do
