@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -69,7 +70,7 @@ def slurm():
 
 
 def _sbatch(tmp_path: Path, sbatch_args: list[str], overrides: list[str], script: str = "grpo_tiny_cpu.sh",
-            **env: str) -> Path:
+            expect_rc: int = 0, **env: str) -> Path:
     """Runs slurm/<script> with sbatch --wait; returns the run folder."""
     cmd = ["timeout", "600", "sbatch", "--wait", f"--output={tmp_path}/slurm-%j.out", *sbatch_args,
            str(REPO / "slurm" / script), f"trainer.total_steps={STEPS}", "logging.console=false",
@@ -80,7 +81,7 @@ def _sbatch(tmp_path: Path, sbatch_args: list[str], overrides: list[str], script
     details = [result.stdout, result.stderr] + [p.read_text() for p in tmp_path.glob("slurm-*.out")]
     for run in runs:
         details += [f"---- {p}\n{p.read_text()[-3000:]}" for p in sorted((run / "logs").glob("*.log"))]
-    assert result.returncode == 0, "job failed (rc %d):\n%s" % (result.returncode, "\n".join(details))
+    assert result.returncode == expect_rc, "job ended with rc %d:\n%s" % (result.returncode, "\n".join(details))
     assert len(runs) == 1, details
     return runs[0]
 
@@ -100,6 +101,20 @@ def test_sbatch_tiny_cpu_one_node_two_tasks(slurm, tmp_path: Path) -> None:
     assert (run / "logs/trainer-0.log").exists() and (run / "logs/trainer-1.log").exists()
     assert "done: exit code 0" in batch_log
     assert "rank 0/2 (local 0/2, slurm)" in (run / "logs/trainer-0.log").read_text()  # DP=2 via srun
+    assert "doctor: every node has what the recipe needs" in batch_log
+    assert "blocker:" not in (run / f"logs/doctor-{socket.gethostname().split('.')[0]}.log").read_text()
+
+
+def test_the_doctor_stops_the_job_before_anything_starts(slurm, tmp_path: Path) -> None:
+    """A node without what the recipe needs (here: an unreadable tokenizer path) stops the job with
+    the node's blocker line, before any engine or trainer task starts."""
+    slurm(nodes=1)
+    run = _sbatch(tmp_path, [], [f"model.tokenizer_path={tmp_path}/missing"], expect_rc=1)
+    batch_log = (run / "logs/batch.log").read_text()
+    node = socket.gethostname().split(".")[0]  # one local node is named after the host (start_local_slurm.sh)
+    assert (f"  {node}: model.tokenizer_path: needs a readable local folder or file, has {tmp_path}/missing: "
+            "no such path") in batch_log, batch_log
+    assert not list((run / "logs").glob("trainer-*.log")) and "trainer:" not in batch_log
 
 
 STUB_SERVER = textwrap.dedent('''
@@ -191,6 +206,9 @@ def test_sbatch_qwen3_8b_colocated_with_harness_engines(slurm, tmp_path: Path) -
     commands = [(run / f"logs/launch-sglang-{k}.log").read_text().splitlines()[0] for k in range(4)]
     for k, command in enumerate(commands):
         assert f"--base-gpu-id {k * 1} " in command and "--enable-memory-saver" in command, command
+        # the job's key reached every engine from the environment: none on a command line
+        assert "api_key_exec GRPO_SGLANG_API_KEY " in command and "--api-key" not in command, command
+    assert "doctor: every node has what the recipe needs" in batch_log
     assert "stopped servers: sglang-0 sglang-1 sglang-2 sglang-3" in batch_log
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     # step 2 sampled (round-robin over the 4 engines) with the weights each engine got from the
