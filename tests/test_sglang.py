@@ -95,6 +95,27 @@ def test_launcher_command_lines():
         server_command(ServerSettings(model_path="/m", api_key="k", command=("/opt/bin/start-sglang",)))
 
 
+def test_api_key_exec_hands_the_key_to_the_module_not_the_command_line(tmp_path, monkeypatch, capsys):
+    from megatron_grpo.rollout.sglang.api_key_exec import main as api_key_exec
+
+    (tmp_path / "echo_argv.py").write_text("import json, os, sys\n"
+                                           "json.dump([sys.argv[1:], os.environ.get('THE_KEY')], "
+                                           f"open({str(tmp_path / 'seen.json')!r}, 'w'))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # run_module(alter_sys=True) rewrites argv[0]
+    monkeypatch.setenv("THE_KEY", "k3y")
+    api_key_exec(["THE_KEY", "echo_argv", "--port", "1"])
+    # the module sees the key as its flag; the variable is gone, so its children do not inherit it
+    assert json.loads((tmp_path / "seen.json").read_text()) == [["--port", "1", "--api-key", "k3y"], None]
+    for key, argv, message in ((None, ["THE_KEY", "echo_argv"], "THE_KEY is not set"),
+                               ("k3y", ["THE_KEY", "echo_argv", "--api-key", "x"], "got --api-key on its command line")):
+        if key:
+            monkeypatch.setenv("THE_KEY", key)
+        with pytest.raises(SystemExit) as exit_info:
+            api_key_exec(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_unreachable_servers_give_one_error_naming_them():
     dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
     client = SGLangClient(dead, retry=FAST_RETRY)

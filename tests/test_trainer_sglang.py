@@ -8,13 +8,13 @@ import random
 import signal
 import threading
 import time
-import urllib.request
 
 import psutil
 import pytest
 
 from megatron_grpo.launch.env import free_server_port
 from megatron_grpo.testing.distributed import DistributedChildError, free_port, run_distributed
+from megatron_grpo.rollout.sglang.http_json import request_json
 from megatron_grpo.rollout.sglang.launcher import API_KEY_VARIABLE, SGLangLauncher
 from tests.sglang_harness.fixtures import harness_env, launch_servers, server_settings, trainer_overrides
 
@@ -31,9 +31,8 @@ def _train(rank, world_size, overrides):
         return [json.loads(line) for line in handle] if rank == 0 else None
 
 
-def _model_info(url):
-    with urllib.request.urlopen(f"{url}/model_info", timeout=30) as response:
-        return json.load(response)
+def _model_info(url, api_key=None):
+    return request_json(url, "/model_info", method="GET", timeout_s=30, api_key=api_key)
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +91,18 @@ def test_trainer_launches_servers_and_router_distributed_sync(tmp_path, policy_d
     assert all(keyed in c and "--api-key" not in c for c in engine_commands + router_commands), commands
 
 
+GIVEN_KEY_VARIABLE, GIVEN_KEY = "TEST_GIVEN_SERVERS_KEY", "given-servers-key"
+
+
 @pytest.fixture(scope="module")
 def given_servers(policy_dir, tmp_path_factory):
-    launcher = launch_servers(tmp_path_factory.mktemp("logs"), [server_settings(policy_dir) for _ in range(2)])
+    """Two servers started by someone else, with a key; the trainer reads it from the variable
+    rollout.sglang.api_key_env names (the ranks are spawned with this process's environment)."""
+    launcher = launch_servers(tmp_path_factory.mktemp("logs"),
+                              [server_settings(policy_dir, api_key=GIVEN_KEY) for _ in range(2)])
+    os.environ[GIVEN_KEY_VARIABLE] = GIVEN_KEY
     yield [server.url for server in launcher.servers]
+    del os.environ[GIVEN_KEY_VARIABLE]
     launcher.shutdown(grace_s=2)
 
 
@@ -103,10 +110,12 @@ def given_servers(policy_dir, tmp_path_factory):
 def test_trainer_drives_servers_given_by_url(tmp_path, policy_dir, given_servers, transport):
     urls = given_servers if transport == "disk" else given_servers[:1]  # tensor: colocated, one engine
     records = run_distributed(_train, 2, (base_overrides(policy_dir, tmp_path / "run", 3) + [
-        f"rollout.sglang.urls=[{','.join(urls)}]", f"rollout.sglang.weight_sync={transport}"],), timeout=600)[0]
+        f"rollout.sglang.urls=[{','.join(urls)}]", f"rollout.sglang.weight_sync={transport}",
+        f"rollout.sglang.api_key_env={GIVEN_KEY_VARIABLE}"],), timeout=600)[0]
     assert_on_policy_steps(records, 3)
     assert any(r["actor/grad_norm"] > 0 for r in records)  # the policy moved: the syncs carried news
-    assert [str(_model_info(url)["weight_version"]) for url in urls] == ["3"] * len(urls)  # a string in SGLang
+    versions = [str(_model_info(url, GIVEN_KEY)["weight_version"]) for url in urls]
+    assert versions == ["3"] * len(urls)  # a string in SGLang
 
 
 def test_servers_given_by_url_get_the_start_weights_whatever_they_loaded(tmp_path, policy_dir):
