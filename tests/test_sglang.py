@@ -108,7 +108,7 @@ def test_api_key_exec_hands_the_key_to_the_module_not_the_command_line(tmp_path,
     # the module sees the key as its flag; the variable is gone, so its children do not inherit it
     assert json.loads((tmp_path / "seen.json").read_text()) == [["--port", "1", "--api-key", "k3y"], None]
     for key, argv, message in ((None, ["THE_KEY", "echo_argv"], "THE_KEY is not set"),
-                               ("k3y", ["THE_KEY", "echo_argv", "--api-key", "x"], "got --api-key on its command line")):
+                               ("k3y", ["THE_KEY", "echo_argv", "--api-key", "x"], "got --api-key on its command")):
         if key:
             monkeypatch.setenv("THE_KEY", key)
         with pytest.raises(SystemExit) as exit_info:
