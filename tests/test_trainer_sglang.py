@@ -96,13 +96,11 @@ GIVEN_KEY_VARIABLE, GIVEN_KEY = "TEST_GIVEN_SERVERS_KEY", "given-servers-key"
 
 @pytest.fixture(scope="module")
 def given_servers(policy_dir, tmp_path_factory):
-    """Two servers started by someone else, with a key; the trainer reads it from the variable
-    rollout.sglang.api_key_env names (the ranks are spawned with this process's environment)."""
+    """Two servers started by someone else, with a key; the trainer ranks read it from the variable
+    rollout.sglang.api_key_env names."""
     launcher = launch_servers(tmp_path_factory.mktemp("logs"),
                               [server_settings(policy_dir, api_key=GIVEN_KEY) for _ in range(2)])
-    os.environ[GIVEN_KEY_VARIABLE] = GIVEN_KEY
     yield [server.url for server in launcher.servers]
-    del os.environ[GIVEN_KEY_VARIABLE]
     launcher.shutdown(grace_s=2)
 
 
@@ -111,7 +109,8 @@ def test_trainer_drives_servers_given_by_url(tmp_path, policy_dir, given_servers
     urls = given_servers if transport == "disk" else given_servers[:1]  # tensor: colocated, one engine
     records = run_distributed(_train, 2, (base_overrides(policy_dir, tmp_path / "run", 3) + [
         f"rollout.sglang.urls=[{','.join(urls)}]", f"rollout.sglang.weight_sync={transport}",
-        f"rollout.sglang.api_key_env={GIVEN_KEY_VARIABLE}"],), timeout=600)[0]
+        f"rollout.sglang.api_key_env={GIVEN_KEY_VARIABLE}"],), timeout=600,
+                              env={GIVEN_KEY_VARIABLE: GIVEN_KEY})[0]
     assert_on_policy_steps(records, 3)
     assert any(r["actor/grad_norm"] > 0 for r in records)  # the policy moved: the syncs carried news
     versions = [str(_model_info(url, GIVEN_KEY)["weight_version"]) for url in urls]
