@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from megatron_grpo.doctor.tested import canonical, tested_versions
+from megatron_grpo.doctor.tested import canonical, pinned_versions
 
 REPO = Path(__file__).resolve().parents[1]
 LOCK = REPO / "requirements" / "cluster-cu13.lock"
@@ -38,12 +38,12 @@ def locked() -> dict[str, str]:
 
 
 def test_the_tested_pins_resolve_with_the_te_extension(tmp_path, locked):
-    te = tested_versions()["transformer-engine"]
+    te = pinned_versions()["transformer-engine"]
     request = tmp_path / "with-te-torch.txt"
     request.write_text(f"-r {REPO / 'requirements' / 'cluster-cu13.txt'}\ntransformer-engine-torch=={te}\n")
     resolved = resolve(request)
     assert resolved["transformer-engine-torch"] == te
-    for name, version in tested_versions().items():
+    for name, version in pinned_versions().items():
         assert resolved[name] == version == locked[name], name
     assert resolved["nvidia-nccl-cu13"] == locked["nvidia-nccl-cu13"]  # torch's CUDA 13 build
 

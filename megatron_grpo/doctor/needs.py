@@ -13,7 +13,7 @@ from megatron_grpo.config import validate
 from megatron_grpo.config.schema import Config
 from megatron_grpo.doctor import node
 from megatron_grpo.doctor.report import Finding
-from megatron_grpo.doctor.tested import canonical, tested_versions
+from megatron_grpo.doctor.tested import canonical, pinned_versions
 from megatron_grpo.errors import ConfigError
 
 # A megatron checkpoint holds, per parameter, the bf16 weight and the distributed optimizer's fp32
@@ -48,7 +48,7 @@ def launches_engines(config: Config, placement: Placement) -> bool:
 
 
 def _versus_tested(check: str, pkg: node.Package, dist: str, needed: bool, why: str) -> Finding:
-    tested = tested_versions().get(canonical(dist))
+    tested = pinned_versions().get(canonical(dist))
     needs = f"{why}; tested {tested}" if tested else why
     if not pkg.imports:
         has = pkg.error if pkg.version is None else f"{pkg.version}, does not import ({pkg.error})"
@@ -73,7 +73,7 @@ def _needs_cuda(config: Config) -> bool:
 
 def _torch_and_gpus(config: Config, placement: Placement) -> list[Finding]:
     view = node.torch_view()
-    tested = tested_versions().get("torch")
+    tested = pinned_versions().get("torch")
     if view.version is None:
         return [Finding.blocker("torch", f"tested {tested}", f"absent ({view.error})")]
     if tested and view.version.split("+")[0] != tested:

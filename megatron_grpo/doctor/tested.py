@@ -16,7 +16,7 @@ def canonical(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def tested_versions() -> dict[str, str]:
+def pinned_versions() -> dict[str, str]:
     """{canonical distribution name: pinned version} of every `name==version` line of the lock."""
     pins = {}
     for line in LOCK_FILE.read_text(encoding="utf-8").splitlines():
