@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_grpo.algo import (LOSS_AGG_MODES, AdvantageConfig, GlobalBatchInfo, GRPOLossConfig,
-                                PolicyLossConfig, aggregate, broadcast_to_tokens, compute_advantages,
+                                PolicyClipConfig, aggregate, broadcast_to_tokens, compute_advantages,
                                 compute_grpo_loss, compute_policy_loss, kl_penalty)
 from megatron_grpo.errors import ConfigError
 from megatron_grpo.testing.distributed import run_distributed
@@ -109,7 +109,7 @@ def entropy_of(features, theta):
 def loss_config(mode, policy_loss):
     return GRPOLossConfig(policy_loss=policy_loss, loss_agg_mode=mode, use_kl_loss=True, kl_loss_coef=KL_COEF,
                           kl_loss_type="low_var_kl", entropy_coeff=ENTROPY_COEF,
-                          policy_loss_config=PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, tis_cap=2.0))
+                          policy_clip=PolicyClipConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, tis_cap=2.0))
 
 
 def dense_reference(batch, mode, policy_loss):
@@ -119,7 +119,7 @@ def dense_reference(batch, mode, policy_loss):
     m = mask.double()
     logp = log_prob_of(features, theta)
     terms, _ = compute_policy_loss(policy_loss, logp, batch["old"], batch["advantages"], mask,
-                                   loss_config(mode, policy_loss).policy_loss_config, batch["rollout"])
+                                   loss_config(mode, policy_loss).policy_clip, batch["rollout"])
     nonempty = mask.any(-1)
 
     def agg(x):

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from megatron_grpo.algo import (POLICY_LOSSES, GlobalBatchInfo, GRPOLossConfig, PolicyLossConfig, PolicyLossTerms,
+from megatron_grpo.algo import (POLICY_LOSSES, GlobalBatchInfo, GRPOLossConfig, PolicyClipConfig, PolicyLossTerms,
                                 aggregate, compute_grpo_loss, compute_policy_loss, get_policy_loss, kl_penalty,
                                 register_policy_loss)
 from megatron_grpo.errors import ConfigError
@@ -81,8 +81,8 @@ def test_vanilla_golden_loss_and_metrics():
     ratio = torch.tensor([[0.5, 1.5, 5.0, 1.1]])
     log_prob = ratio.log().requires_grad_()
     mask = torch.ones(1, 4)
-    clip = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
-    config = GRPOLossConfig(policy_loss_config=clip)
+    clip = PolicyClipConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    config = GRPOLossConfig(policy_clip=clip)
     out = compute_grpo_loss(log_prob, torch.zeros(1, 4), torch.tensor([[1.0, 1.0, -1.0, -1.0]]), mask,
                             GlobalBatchInfo.from_row_token_counts([mask.sum(-1)]), config)
     assert out.loss.item() == pytest.approx(0.58, abs=1e-6)
@@ -127,7 +127,7 @@ def test_vanilla_matches_loop(seed, clips):
     eps_low, eps_high, c = clips
     logp, old, adv, mask = _random_tokens(seed)
     logp.requires_grad_()
-    terms, weights = compute_policy_loss("vanilla", logp, old, adv, mask, PolicyLossConfig(eps_low, eps_high, c))
+    terms, weights = compute_policy_loss("vanilla", logp, old, adv, mask, PolicyClipConfig(eps_low, eps_high, c))
     assert weights is None
     terms.loss.sum().backward()
     for i in range(logp.shape[0]):
@@ -142,7 +142,7 @@ def test_vanilla_matches_loop(seed, clips):
 
 def test_dual_clip_bound_must_exceed_one():
     with pytest.raises(ConfigError, match="clip_ratio_c"):
-        PolicyLossConfig(clip_ratio_c=1.0)
+        PolicyClipConfig(clip_ratio_c=1.0)
 
 
 # ---- GSPO: token form with seq-mean-token-mean == the paper's sequence objective ----
@@ -157,7 +157,7 @@ def paper_gspo_row_loss(logp_row, old_row, adv, eps_low, eps_high):
 def test_gspo_matches_paper_objective(seed):
     logp, old, adv, mask = _random_tokens(seed)
     old[0, 0] = logp[0, 0] - 0.3  # keep the sequence ratio inside the max-10 log clamp
-    config = PolicyLossConfig(clip_ratio_low=3e-4, clip_ratio_high=4e-4)  # GSPO's sequence-level clip range
+    config = PolicyClipConfig(clip_ratio_low=3e-4, clip_ratio_high=4e-4)  # GSPO's sequence-level clip range
     logp_ours = logp.clone().requires_grad_()
     terms, _ = compute_policy_loss("gspo", logp_ours, old, adv, mask, config)
     info = GlobalBatchInfo(num_valid_tokens=int(mask.sum()), num_sequences=int(mask.any(-1).sum()))
@@ -180,7 +180,7 @@ def test_gspo_matches_paper_objective(seed):
 def test_gspo_log_ratio_clamped_at_10():
     logp = torch.zeros(1, 3)
     terms, _ = compute_policy_loss("gspo", logp, logp - 15.0, torch.full((1, 3), -1.0), torch.ones(1, 3),
-                                   PolicyLossConfig())
+                                   PolicyClipConfig())
     torch.testing.assert_close(terms.loss, torch.full((1, 3), math.exp(10.0)))
 
 
@@ -191,7 +191,7 @@ def test_tis_weights_multiply_token_loss_and_are_detached():
     old = old.clamp(min=logp - 1, max=logp + 1)
     rollout = (old + torch.randn_like(old) * 0.5).requires_grad_()
     cap = 1.5
-    config = PolicyLossConfig(tis_cap=cap)
+    config = PolicyClipConfig(tis_cap=cap)
     logp_tis = logp.clone().requires_grad_()
     terms, weights = compute_policy_loss("vanilla", logp_tis, old, adv, mask, config, rollout_log_prob=rollout)
     expected_w = torch.tensor([[min(math.exp(o - r), cap) for o, r in zip(orow, rrow)]
@@ -199,7 +199,7 @@ def test_tis_weights_multiply_token_loss_and_are_detached():
     torch.testing.assert_close(weights, expected_w)
     assert not weights.requires_grad and weights.max() <= cap
     plain_logp = logp.clone().requires_grad_()
-    plain, _ = compute_policy_loss("vanilla", plain_logp, old, adv, mask, PolicyLossConfig())
+    plain, _ = compute_policy_loss("vanilla", plain_logp, old, adv, mask, PolicyClipConfig())
     torch.testing.assert_close(terms.loss, plain.loss * expected_w)
     terms.loss.sum().backward()
     plain.loss.sum().backward()
@@ -213,7 +213,7 @@ def test_tis_weights_multiply_token_loss_and_are_detached():
 def test_tis_without_rollout_log_prob_raises():
     logp, old, adv, mask = _random_tokens(0)
     with pytest.raises(ValueError, match="rollout_log_prob"):
-        compute_policy_loss("vanilla", logp, old, adv, mask, PolicyLossConfig(tis_cap=2.0))
+        compute_policy_loss("vanilla", logp, old, adv, mask, PolicyClipConfig(tis_cap=2.0))
 
 
 # ---- registry and config validation ----
@@ -237,7 +237,7 @@ def registered_reinforce():
 def test_policy_loss_registry(registered_reinforce):
     name = registered_reinforce
     logp, old, adv, mask = _random_tokens(2)
-    terms, _ = compute_policy_loss(name, logp, old, adv, mask, PolicyLossConfig())
+    terms, _ = compute_policy_loss(name, logp, old, adv, mask, PolicyClipConfig())
     torch.testing.assert_close(terms.loss, -adv * logp)
     with pytest.raises(ConfigError, match="gspo.*vanilla"):
         get_policy_loss("ppo")

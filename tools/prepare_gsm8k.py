@@ -77,7 +77,7 @@ def length_report(output: Path, tokenizer_path: str) -> str:
     must hold. `qwen`: Qwen's tokenizer built offline (scripts/install_qwen_vocab.sh)."""
     from megatron_grpo.data.io import load_records
     from megatron_grpo.data.prompts import render_chat
-    from megatron_grpo.trainer.assembly.model_path import load_tokenizer
+    from megatron_grpo.trainer.assembly.tokenizer import load_tokenizer
 
     if tokenizer_path == "qwen":
         from megatron_grpo.testing.qwen_tokenizer import build_qwen_tokenizer

@@ -7,7 +7,7 @@ Public API:
                  estimators: grpo (Dr.GRPO: norm_adv_by_std=False), rloo, reinforce_plus_plus_baseline
     groups       make_group_index(group_ids) -> GroupIndex
     filters      filter_zero_variance_groups(scores, group_ids) -> GroupFilterResult  (DAPO dynamic sampling)
-    policy_loss  compute_policy_loss(name, log_prob, old_log_prob, advantages, mask, PolicyLossConfig,
+    policy_loss  compute_policy_loss(name, log_prob, old_log_prob, advantages, mask, PolicyClipConfig,
                  rollout_log_prob=None) -> (PolicyLossTerms, tis_weights); register_policy_loss(name),
                  get_policy_loss(name); losses: vanilla, gspo; truncated_is_weights(old, rollout, cap)
     kl           kl_penalty(log_prob, ref_log_prob, kind); kinds kl/k1, abs, mse/k2, low_var_kl/k3, and "+"
@@ -29,7 +29,7 @@ from megatron_grpo.algo.groups import GroupIndex, make_group_index
 from megatron_grpo.algo.kl import check_kl_estimator, kl_estimator_names, kl_penalty
 from megatron_grpo.algo.objective import GRPOLossConfig, GRPOLossOutput, compute_grpo_loss
 from megatron_grpo.algo.off_policy import OffPolicyConfig, OffPolicyWeights, off_policy_weights, staleness_gap_sums
-from megatron_grpo.algo.policy_loss import (POLICY_LOSSES, PolicyLossConfig, PolicyLossTerms, compute_policy_loss,
+from megatron_grpo.algo.policy_loss import (POLICY_LOSSES, PolicyClipConfig, PolicyLossTerms, compute_policy_loss,
                                             get_policy_loss, register_policy_loss, truncated_is_weights)
 
 __all__ = [
@@ -40,6 +40,6 @@ __all__ = [
     "check_kl_estimator", "kl_estimator_names", "kl_penalty",
     "GRPOLossConfig", "GRPOLossOutput", "compute_grpo_loss",
     "OffPolicyConfig", "OffPolicyWeights", "off_policy_weights", "staleness_gap_sums",
-    "POLICY_LOSSES", "PolicyLossConfig", "PolicyLossTerms", "compute_policy_loss", "get_policy_loss",
+    "POLICY_LOSSES", "PolicyClipConfig", "PolicyLossTerms", "compute_policy_loss", "get_policy_loss",
     "register_policy_loss", "truncated_is_weights",
 ]

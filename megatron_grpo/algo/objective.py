@@ -16,13 +16,13 @@ import torch
 from megatron_grpo.algo.aggregation import GlobalBatchInfo, aggregate, check_loss_agg_mode, token_mean_share
 from megatron_grpo.algo.kl import check_kl_estimator, kl_penalty
 from megatron_grpo.algo.off_policy import OffPolicyConfig, off_policy_weights
-from megatron_grpo.algo.policy_loss import POLICY_LOSSES, PolicyLossConfig, compute_policy_loss
+from megatron_grpo.algo.policy_loss import POLICY_LOSSES, PolicyClipConfig, compute_policy_loss
 
 
 @dataclass(frozen=True)
 class GRPOLossConfig:
     policy_loss: str = "vanilla"
-    policy_loss_config: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    policy_clip: PolicyClipConfig = field(default_factory=PolicyClipConfig)
     loss_agg_mode: str = "token-mean"
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -68,7 +68,7 @@ def compute_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advant
     if off_policy.objective == "behaviour":  # one policy: clip against the engine's log-probs
         old_log_prob = rollout_log_prob
     terms, tis_weights = compute_policy_loss(config.policy_loss, log_prob, old_log_prob, advantages,
-                                             response_mask, config.policy_loss_config, rollout_log_prob)
+                                             response_mask, config.policy_clip, rollout_log_prob)
     weights = None
     if off_policy.weighted:  # w(pi_prox / pi_behav) on each token's policy loss (algo/off_policy.py)
         weights = off_policy_weights(old_log_prob, rollout_log_prob, response_mask, off_policy)

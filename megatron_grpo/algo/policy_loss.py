@@ -25,28 +25,10 @@ from typing import Callable, Optional
 import torch
 
 from megatron_grpo.algo.registry import Registry
-from megatron_grpo.errors import ConfigError
+from megatron_grpo.config.policy_clip import PolicyClipConfig
 
 LOG_RATIO_CLAMP = 20.0  # verl clamps the token log-ratio to [-20, 20] before exp
 GSPO_LOG_RATIO_MAX = 10.0  # verl clamps the GSPO token log-ratio to max 10
-
-
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2  # DAPO clip-higher: 0.28
-    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (vanilla only)
-    tis_cap: Optional[float] = None  # None: no truncated importance sampling
-
-    def __post_init__(self):
-        if not 0.0 <= self.clip_ratio_low < 1.0:
-            raise ConfigError(f"clip_ratio_low must be in [0, 1), got {self.clip_ratio_low}")
-        if self.clip_ratio_high < 0.0:
-            raise ConfigError(f"clip_ratio_high must be >= 0, got {self.clip_ratio_high}")
-        if not self.clip_ratio_c > 1.0:
-            raise ConfigError(f"clip_ratio_c (dual-clip bound) must be > 1.0, got {self.clip_ratio_c}")
-        if self.tis_cap is not None and not self.tis_cap > 0.0:
-            raise ConfigError(f"tis_cap must be > 0 (or None to disable TIS), got {self.tis_cap}")
 
 
 @dataclass
@@ -59,7 +41,7 @@ class PolicyLossTerms:
     approx_kl: torch.Tensor  # old - new log-prob (ppo_kl), detached
 
 
-PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PolicyLossConfig],
+PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PolicyClipConfig],
                         PolicyLossTerms]
 """(log_prob, old_log_prob, advantages, response_mask, config) -> PolicyLossTerms; all [B, T]."""
 
@@ -76,7 +58,7 @@ def get_policy_loss(name: str) -> PolicyLossFn:
 
 @register_policy_loss("vanilla")
 def vanilla_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                        response_mask: torch.Tensor, config: PolicyLossConfig) -> PolicyLossTerms:
+                        response_mask: torch.Tensor, config: PolicyClipConfig) -> PolicyLossTerms:
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
@@ -92,7 +74,7 @@ def vanilla_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adva
 
 @register_policy_loss("gspo")
 def gspo_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                     response_mask: torch.Tensor, config: PolicyLossConfig) -> PolicyLossTerms:
+                     response_mask: torch.Tensor, config: PolicyClipConfig) -> PolicyLossTerms:
     valid = response_mask.bool()
     token_log_ratio = log_prob - old_log_prob
     lengths = valid.sum(-1).clamp(min=1)
@@ -113,7 +95,7 @@ def truncated_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Ten
 
 
 def compute_policy_loss(name: str, log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                        response_mask: torch.Tensor, config: PolicyLossConfig,
+                        response_mask: torch.Tensor, config: PolicyClipConfig,
                         rollout_log_prob: Optional[torch.Tensor] = None) -> tuple[PolicyLossTerms,
                                                                                    Optional[torch.Tensor]]:
     """The named loss, with TIS weights applied when config.tis_cap is set; returns (terms, weights or None)."""

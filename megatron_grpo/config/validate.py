@@ -12,6 +12,7 @@ from typing import Optional
 from megatron_grpo.config.derived import overlong_cap, values_at
 from megatron_grpo.config.model_dims import hf_config_file, model_dims
 from megatron_grpo.config.names import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, REWARD_FUNCTIONS, check_name, unknown_name
+from megatron_grpo.config.policy_clip import clip_problems
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError
 
@@ -291,17 +292,11 @@ def _actor(c: Config, out: list[str]) -> None:
         out.append(f"actor.ppo_epochs={a.ppo_epochs} must be >= 1")
     if a.old_logprob_check_interval < 0:
         out.append(f"actor.old_logprob_check_interval={a.old_logprob_check_interval} must be >= 0 (0 = never)")
-    for name in ("clip_ratio_low", "clip_ratio_high"):
-        if not 0 <= getattr(a, name) < 1:
-            out.append(f"actor.{name}={getattr(a, name)} must be in [0, 1)")
-    if a.clip_ratio_c <= 1:
-        out.append(f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip bound)")
+    out += clip_problems(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.tis_cap, prefix="actor.")
     if a.kl_loss_coef < 0:
         out.append(f"actor.kl_loss_coef={a.kl_loss_coef} must be >= 0")
     if a.loss_scale_factor is not None and a.loss_scale_factor <= 0:
         out.append(f"actor.loss_scale_factor={a.loss_scale_factor} must be > 0 or null")
-    if a.tis_cap is not None and a.tis_cap <= 0:
-        out.append(f"actor.tis_cap={a.tis_cap} must be > 0 or null (off)")
     _off_policy(c, out)
     if a.grad_clip is not None and a.grad_clip <= 0:
         out.append(f"actor.grad_clip={a.grad_clip} must be > 0 or null (off)")

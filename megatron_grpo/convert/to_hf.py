@@ -17,6 +17,7 @@ from megatron_grpo.convert.sources import MegatronSource
 from megatron_grpo.convert.torch_dist_files import stored_model_dtype
 from megatron_grpo.convert.writer import DEFAULT_MAX_SHARD_BYTES, HFWriter
 from megatron_grpo.errors import CheckpointError, ConfigError
+from megatron_grpo.launch.collectives import agree, attempt_on_rank0
 from megatron_grpo.models.hf_config import ModelArchitecture
 
 HF_SUBDIR = "hf"  # <step_dir>/hf with checkpoint.save_hf=true
@@ -72,47 +73,48 @@ def write_hf_folder(stream: Iterator[tuple[str, torch.Tensor]], out: Path, cfg: 
                     overwrite: bool = False, progress: bool = False) -> Path:
     """Rank 0 writes the gathered tensors; every rank exhausts the stream. A write error on rank 0
     (disk full...) is raised only after the stream is drained, so no peer is left blocked in a
-    send; the other ranks learn of it through an all-reduce and raise too."""
-    failure: BaseException | None = None
+    send; then every rank raises it (launch.collectives.agree)."""
+    outcome = None
     if dist.get_rank() == 0:
-        writer = None
-        try:
-            writer = HFWriter(out, cfg, assets_dir=assets_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
-        except CheckpointError as exc:
-            failure = exc
-        items = stream
-        if progress:
-            from tqdm import tqdm
-
-            from megatron_grpo.convert.mappings import expected_hf_tensors
-
-            items = tqdm(stream, total=len(expected_hf_tensors(cfg)), desc="export HF", unit="tensor")
-        for name, tensor in items:
-            if failure is None:
-                try:
-                    writer.add(name, tensor)
-                except (CheckpointError, OSError) as exc:
-                    failure = exc
-        if writer is not None:
-            try:
-                writer.close() if failure is None else writer.abort()
-            except (CheckpointError, OSError) as exc:
-                failure = exc
+        outcome = attempt_on_rank0(_write_on_rank0, stream, out, cfg, assets_dir, max_shard_bytes, overwrite,
+                                   progress)
     else:
         for _ in stream:
             pass
-    _raise_everywhere(failure, out)
+    error = agree(outcome, share_value=False).error
+    if error is not None:
+        raise error
     return out
 
 
-def _raise_everywhere(failure: BaseException | None, out: Path) -> None:
-    flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag)
+def _write_on_rank0(stream: Iterator[tuple[str, torch.Tensor]], out: Path, cfg: ModelArchitecture,
+                    assets_dir: Path | None, max_shard_bytes: int, overwrite: bool, progress: bool) -> None:
+    """Writes the folder, draining the whole stream even after a failure, then raises it."""
+    failure: BaseException | None = None
+    writer = None
+    try:
+        writer = HFWriter(out, cfg, assets_dir=assets_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+    except CheckpointError as exc:
+        failure = exc
+    items = stream
+    if progress:
+        from tqdm import tqdm
+
+        from megatron_grpo.convert.mappings import expected_hf_tensors
+
+        items = tqdm(stream, total=len(expected_hf_tensors(cfg)), desc="export HF", unit="tensor")
+    for name, tensor in items:
+        if failure is None:
+            try:
+                writer.add(name, tensor)
+            except (CheckpointError, OSError) as exc:
+                failure = exc
+    if writer is not None:
+        try:
+            writer.close() if failure is None else writer.abort()
+        except (CheckpointError, OSError) as exc:
+            failure = exc
+    if isinstance(failure, CheckpointError):
+        raise failure
     if failure is not None:
-        if isinstance(failure, CheckpointError):
-            raise failure
         raise CheckpointError(f"{out}: writing the HF folder failed ({type(failure).__name__}: {failure})")
-    if int(flag.item()):
-        raise CheckpointError(f"{out}: writing the HF folder failed on rank 0")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.algo import AdvantageConfig, GlobalBatchInfo, GRPOLossConfig, PolicyLossConfig
+from megatron_grpo.algo import AdvantageConfig, GlobalBatchInfo, GRPOLossConfig, PolicyClipConfig
 from megatron_grpo.config import to_dict
 from megatron_grpo.config.derived import overlong_cap
 from megatron_grpo.config.schema import Config
@@ -206,8 +206,8 @@ def grpo_loss_config(cfg: Config) -> GRPOLossConfig:
     a = cfg.actor
     return GRPOLossConfig(
         policy_loss=a.policy_loss.loss_mode,
-        policy_loss_config=PolicyLossConfig(clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-                              clip_ratio_c=a.clip_ratio_c, tis_cap=a.tis_cap),
+        policy_clip=PolicyClipConfig(clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+                                     clip_ratio_c=a.clip_ratio_c, tis_cap=a.tis_cap),
         off_policy=a.off_policy,
         loss_agg_mode=a.loss_agg_mode, use_kl_loss=a.use_kl_loss and a.kl_loss_coef != 0, kl_loss_coef=a.kl_loss_coef,
         kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff)

@@ -156,8 +156,8 @@ def build_run(cfg: Config) -> Run:
     from megatron_grpo.launch import ParallelLayout, init_distributed, initialize_model_parallel
     from megatron_grpo.models import ModelArchitecture, build_model, build_reference_model
     from megatron_grpo.models.builder import Recompute
-    from megatron_grpo.trainer.assembly.model_path import (check_context_length, check_tokenizer_fits,
-                                                           load_tokenizer, prepare_model_folder)
+    from megatron_grpo.trainer.assembly.model_path import check_context_length, prepare_model_folder
+    from megatron_grpo.trainer.assembly.tokenizer import check_tokenizer_fits, load_tokenizer
     from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
     from megatron_grpo.trainer.assembly.prompt_data import load_prompts
     from megatron_grpo.trainer.state.run_folder import run_record

@@ -15,7 +15,8 @@ from megatron_grpo.errors import ConfigError
 def check_data(cfg: Config) -> list[str]:
     """Raises the trainer's own ConfigError / DataError; returns what was found, one line each."""
     from megatron_grpo.trainer.assembly.initial_model import initial_tokenizer_folder
-    from megatron_grpo.trainer.assembly.model_path import check_context_length, check_tokenizer_fits, load_tokenizer
+    from megatron_grpo.trainer.assembly.model_path import check_context_length
+    from megatron_grpo.trainer.assembly.tokenizer import check_tokenizer_fits, load_tokenizer
     from megatron_grpo.trainer.assembly.prompt_data import load_prompts
 
     model_folder = _model_folder(cfg) if cfg.model.path else None

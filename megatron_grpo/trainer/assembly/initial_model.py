@@ -80,7 +80,7 @@ def initial_vocab_size(cfg: Config, hf_config, tokenizer_tokens: int) -> int:
 def _write_initial_model(cfg: Config, target: Path, record: dict) -> None:
     from transformers import AutoModelForCausalLM
 
-    from megatron_grpo.trainer.assembly.model_path import load_tokenizer
+    from megatron_grpo.trainer.assembly.tokenizer import load_tokenizer
     from megatron_grpo.trainer.state.run_folder import INIT_RECORD
 
     source, folder = initial_tokenizer_folder(cfg, target.with_name("synthetic_tokenizer"))

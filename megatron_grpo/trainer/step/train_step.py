@@ -164,7 +164,7 @@ def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch]
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     off_policy = loss_config.off_policy
-    needs_rollout = bool(loss_config.policy_loss_config.tis_cap) or off_policy.weighted or \
+    needs_rollout = bool(loss_config.policy_clip.tis_cap) or off_policy.weighted or \
         off_policy.objective == "behaviour"
 
     def loss_func(micro_batch: MicroBatch, logits: torch.Tensor):
