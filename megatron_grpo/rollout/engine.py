@@ -74,3 +74,12 @@ class StagedWeightUpdates(Protocol):
         """results: every sender's (stage, stats, sampled tensors or None) of a successful push."""
 
     def abort_stage_update(self, version: int) -> None: ...
+
+
+@runtime_checkable
+class ColocatedWeightUpdates(StagedWeightUpdates, Protocol):
+    """A staged update fed not by one sender per pipeline stage but by every trainer rank whose GPU
+    hosts an engine TP rank (weight_sync=tensor: rollout/sglang/colocated.py)."""
+
+    def colocated_endpoint(self) -> Any:
+        """Picklable: what each such rank opens its feed from (trainer/sync/stage_sync.py)."""

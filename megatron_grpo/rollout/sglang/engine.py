@@ -8,7 +8,7 @@ import socket
 import time
 from typing import Sequence
 
-from megatron_grpo.rollout.engine import NamedTensors, RolloutEngine, StagedWeightUpdates
+from megatron_grpo.rollout.engine import ColocatedWeightUpdates, NamedTensors, RolloutEngine
 from megatron_grpo.rollout.sglang.client import SGLangClient
 from megatron_grpo.rollout.sglang.errors import SGLangError
 from megatron_grpo.rollout.sglang.http_json import RetryPolicy
@@ -40,7 +40,7 @@ class EngineOptions:
     max_resubmits: int = 8  # per generate call: a group aborted this often is returned as aborted
 
 
-class SGLangEngine(RolloutEngine, StagedWeightUpdates):
+class SGLangEngine(RolloutEngine, ColocatedWeightUpdates):
     """`client` talks to the engines; `generate_client` (a router, if any) only serves /generate.
     Weight updates, memory and control calls (abort, pause, flush) always go to each engine
     directly: a router has no such routes."""

@@ -40,8 +40,9 @@ from megatron_grpo.config.derived import weight_sync_route
 from megatron_grpo.config.schema import Config
 from megatron_grpo.convert.stage_export import StageRole, WholeModelRole
 from megatron_grpo.errors import ConfigError, MegatronGRPOError, RolloutFailure
-from megatron_grpo.launch.collectives import all_gather_objects, broadcast_from_rank0, in_turns, raise_if_any_failed
-from megatron_grpo.rollout.engine import StagedWeightUpdates
+from megatron_grpo.launch.collectives import (all_gather_objects, broadcast_from_rank0, in_turns, on_rank0,
+                                              raise_if_any_failed)
+from megatron_grpo.rollout.engine import ColocatedWeightUpdates, StagedWeightUpdates
 
 T = TypeVar("T")
 
@@ -97,16 +98,18 @@ def connect_stage_sync(cfg: Config, rank0) -> StageSync | None:
     if route == "rank0":
         return None
     bucket_bytes = cfg.rollout.weight_bucket_mb * 2**20
+    protocol = ColocatedWeightUpdates if route == "colocated" else StagedWeightUpdates
     engine_kind = broadcast_from_rank0(None if rank0 is None else (type(rank0.engine).__name__, isinstance(
-        rank0.engine, StagedWeightUpdates)))
+        rank0.engine, protocol)))
     if not engine_kind[1]:  # validation refuses such recipes first; every rank stops here too
         raise ConfigError(f"rollout.weight_sync_route={route}: the {engine_kind[0]} takes its weights from rank 0 "
                           "only; use rollout.weight_sync_route=rank0")
+    # on_rank0: an engine that cannot give an endpoint (the wrong transport) stops every rank with its error
     if route == "colocated":
-        endpoint = broadcast_from_rank0(rank0.engine.colocated_endpoint() if rank0 is not None else None)
+        endpoint = on_rank0(lambda: rank0.engine.colocated_endpoint())
         role, opener = _colocated_sender(endpoint, bucket_bytes)
     else:
-        endpoint = broadcast_from_rank0(rank0.engine.stage_endpoint() if rank0 is not None else None)
+        endpoint = on_rank0(lambda: rank0.engine.stage_endpoint())
         role = StageRole.current()
         opener = (lambda: endpoint.open(role, bucket_bytes)) if role.sends else None
     stage_sync = StageSync(role=role, sink=None, in_turn=bool(endpoint.push_in_turn))
