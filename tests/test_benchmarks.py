@@ -19,6 +19,7 @@ sys.path.insert(0, str(BENCH))
 
 import bench_e2e  # noqa: E402
 import bench_gpu  # noqa: E402
+from tests.requirements import missing  # noqa: E402
 
 
 def _run(*args: str, timeout: int = 540) -> subprocess.CompletedProcess:
@@ -49,8 +50,8 @@ def test_bench_e2e_quick_ours(tmp_path, max_staleness):
 def test_bench_e2e_quick_against_trl(tmp_path):
     python = bench_e2e.find_trl_python(None)
     if python is None:
-        pytest.skip("trl is not importable here nor in build/bench-trl-venv "
-                    "(python benchmarks/bench_e2e.py --setup-trl): TRL side not tested")
+        missing("trl is not importable here nor in build/bench-trl-venv "
+                "(python benchmarks/bench_e2e.py --setup-trl): TRL side not tested")
     out = tmp_path / "e2e.json"
     proc = _run(str(BENCH / "bench_e2e.py"), "--quick", "--trl-python", python, "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -20,6 +20,7 @@ from megatron_grpo.data.records import PromptRecord
 from megatron_grpo.environments import Environment, StepResult
 from megatron_grpo.environments.episodes import ChatRenderer, EpisodeLimits, TurnOutput, run_episodes
 from megatron_grpo.environments.tool_calls import tool_response
+from tests.requirements import missing
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATES = sorted(glob.glob(str(REPO / "build/bench-trl-venv/lib/python*/site-packages/trl/chat_templates")))
@@ -30,8 +31,8 @@ LIMITS = EpisodeLimits(max_turns=4, max_new_tokens_per_turn=200, max_length=2000
 
 def template(name: str) -> str:
     if not TEMPLATES:
-        pytest.skip("TRL's chat templates are not installed (build/bench-trl-venv: scripts/test.sh, or "
-                    "python benchmarks/bench_e2e.py --setup-trl)")
+        missing("TRL's chat templates are not installed (build/bench-trl-venv: scripts/test.sh, or "
+                "python benchmarks/bench_e2e.py --setup-trl)")
     return (Path(TEMPLATES[-1]) / name).read_text()
 
 
@@ -40,7 +41,6 @@ def tokenizer():
     from transformers import AutoTokenizer
 
     from megatron_grpo.testing.qwen_tokenizer import DEFAULT_VOCAB, build_qwen_tokenizer
-    from tests.requirements import missing
 
     if not DEFAULT_VOCAB.is_file():
         missing(f"{DEFAULT_VOCAB} is missing (bash scripts/install_qwen_vocab.sh)")
