@@ -73,13 +73,9 @@ def _needs_cuda(config: Config) -> bool:
 
 def _torch_and_gpus(config: Config, placement: Placement) -> list[Finding]:
     view = node.torch_view()
-    tested = pinned_versions().get("torch")
+    torch_row = _versus_tested("torch", node.Package("torch", view.version, view.error), "torch", True, "the trainer")
     if view.version is None:
-        return [Finding.blocker("torch", f"tested {tested}", f"absent ({view.error})")]
-    if tested and view.version.split("+")[0] != tested:
-        torch_row = Finding.note("torch", f"tested {tested}", f"{view.version} (not the tested version)")
-    else:
-        torch_row = Finding.ok("torch", f"tested {tested}", view.version)
+        return [torch_row]
     build = f"CUDA {view.cuda_build} build" if view.cuda_build else "CPU build"
     ranks = placement.ranks_per_node or 1
     if not _needs_cuda(config):
