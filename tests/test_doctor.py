@@ -53,20 +53,25 @@ def test_broken_environments_give_one_line_each(tmp_path):
     read_only = tmp_path / "read_only"
     read_only.mkdir()
     read_only.chmod(0o555)
-    args = ("tiny_cpu", f"model.path={model}", f"logging.output_dir={read_only}/run", "rollout.engine=sglang",
+    private = tmp_path / "private"  # a folder that cannot be entered: probes below it must not raise
+    (private / "tokenizer").mkdir(parents=True)
+    private.chmod(0o600)
+    args = ("tiny_cpu", f"model.path={model}", f"model.tokenizer_path={private}/tokenizer",
+            f"logging.output_dir={read_only}/run", "rollout.engine=sglang",
             "rollout.sglang.router=true", "--port", str(free_server_port()))
     try:
         without_router = as_a_user(str(REPO / ".venv" / "bin" / "python"), *args, cwd=REPO)
         with_sglang = as_a_user(sglang_python(), *args, cwd=REPO)
     finally:
-        model.chmod(0o755)
-        read_only.chmod(0o755)
+        for folder in (model, read_only, private):
+            folder.chmod(0o755)
     assert without_router.returncode == 1, without_router.stdout + without_router.stderr
     lines = [line for line in without_router.stdout.splitlines() if line.startswith("blocker: ")]
     assert lines == [
         "blocker: sglang: needs the rollout engines started here; tested 0.5.23, has absent",
         "blocker: sglang-router: needs rollout.sglang.router=true; tested 0.3.2, has absent",
         f"blocker: model.path: needs readable, has {model}: Permission denied",
+        f"blocker: model.tokenizer_path: needs readable, has {private}/tokenizer: Permission denied",
         f"blocker: logging.output_dir: needs writable, has {read_only}/run: Permission denied (at {read_only})",
         "blocker: checkpoint.save_dir: needs writable (size unknown: no model folder to measure), "
         f"has {read_only}/run/checkpoints: Permission denied",
@@ -96,6 +101,13 @@ def test_a_taken_port_a_missing_interface_and_an_unset_key(capsys, monkeypatch):
         "blocker: engine API key: needs $DOCTOR_TEST_KEY set (rollout.sglang.api_key_env), has unset",
     ]
     monkeypatch.setenv("DOCTOR_TEST_KEY", "k")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "l")  # Gloo takes exact names: no prefix
+    code, blockers = doctor(capsys, "tiny_cpu", "rollout.sglang.api_key_env=DOCTOR_TEST_KEY", "rollout.engine=sglang",
+                            "rollout.sglang.urls=[http://127.0.0.1:1]")
+    assert code == 1 and [b.split(",")[0] for b in blockers] == [
+        "blocker: NCCL_SOCKET_IFNAME: needs nosuchif0: an interface that is up with an address",
+        "blocker: GLOO_SOCKET_IFNAME: needs l: an interface that is up with an address"]
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "^lo")  # NCCL's syntax: every interface but lo
     assert doctor(capsys, "tiny_cpu", "rollout.sglang.api_key_env=DOCTOR_TEST_KEY", "rollout.engine=sglang",
                   "rollout.sglang.urls=[http://127.0.0.1:1]") == (0, [])

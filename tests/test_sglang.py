@@ -80,7 +80,7 @@ def test_launcher_command_lines():
                               extra_args=("--attention-backend", "fa3"),
                               command=("python3", "-m", "sglang.launch_server"))
     assert server_command(settings) == [
-        "python3", "-m", "megatron_grpo.rollout.sglang.api_key_exec", API_KEY_VARIABLE, "sglang.launch_server",
+        "python3", "-m", "megatron_grpo.launch.api_key_exec", API_KEY_VARIABLE, "sglang.launch_server",
         "--model-path", "/m", "--tokenizer-path", "/t", "--tp-size", "4", "--host", "10.0.0.2",
         "--port", "31000", "--mem-fraction-static", "0.7", "--enable-memory-saver",
         "--enable-deterministic-inference", "--attention-backend", "fa3"]
@@ -90,13 +90,13 @@ def test_launcher_command_lines():
         "round_robin", "--worker-urls", "http://a:1", "http://b:2"]
     keyed = RouterSettings(port=30100, api_key="k", command=("python3", "-m", "sglang_router.launch_router"))
     assert router_command(keyed, ["http://a:1"])[:5] == [
-        "python3", "-m", "megatron_grpo.rollout.sglang.api_key_exec", API_KEY_VARIABLE, "sglang_router.launch_router"]
+        "python3", "-m", "megatron_grpo.launch.api_key_exec", API_KEY_VARIABLE, "sglang_router.launch_router"]
     with pytest.raises(ConfigError, match="must run `python -m MODULE`"):
         server_command(ServerSettings(model_path="/m", api_key="k", command=("/opt/bin/start-sglang",)))
 
 
 def test_api_key_exec_hands_the_key_to_the_module_not_the_command_line(tmp_path, monkeypatch, capsys):
-    from megatron_grpo.rollout.sglang.api_key_exec import main as api_key_exec
+    from megatron_grpo.launch.api_key_exec import main as api_key_exec
 
     (tmp_path / "echo_argv.py").write_text("import json, os, sys\n"
                                            "json.dump([sys.argv[1:], os.environ.get('THE_KEY')], "

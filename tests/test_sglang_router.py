@@ -145,6 +145,10 @@ def test_the_engines_and_the_router_answer_only_to_the_key(cluster):
     assert status(cluster["router"], "/generate", prompt) == 401
     assert status(cluster["router"], "/generate", prompt, key="wrong") == 401
     assert status(cluster["router"], "/generate", prompt, key=KEY) == 200  # and it calls the workers with it
+    # its control routes too: nobody else adds a worker (and receives the prompts) or flushes the caches
+    assert status(cluster["router"], "/workers", method="GET") == 401
+    assert status(cluster["router"], "/workers", {"url": "http://127.0.0.1:1"}) == 401
+    assert status(cluster["router"], "/flush_cache", {}) == 401
     for proc in cluster["launcher"].processes:
         for process in [psutil.Process(proc.process.pid), *psutil.Process(proc.process.pid).children(recursive=True)]:
             assert KEY not in " ".join(process.cmdline()), (proc.name, process.cmdline())

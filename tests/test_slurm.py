@@ -112,8 +112,8 @@ def test_the_doctor_stops_the_job_before_anything_starts(slurm, tmp_path: Path) 
     run = _sbatch(tmp_path, [], [f"model.tokenizer_path={tmp_path}/missing"], expect_rc=1)
     batch_log = (run / "logs/batch.log").read_text()
     node = socket.gethostname().split(".")[0]  # one local node is named after the host (start_local_slurm.sh)
-    assert (f"  {node}: model.tokenizer_path: needs a readable local folder or file, has {tmp_path}/missing: "
-            "no such path") in batch_log, batch_log
+    assert (f"  {node}: model.tokenizer_path: needs readable, has {tmp_path}/missing: "
+            "No such file or directory") in batch_log, batch_log
     assert not list((run / "logs").glob("trainer-*.log")) and "trainer:" not in batch_log
 
 

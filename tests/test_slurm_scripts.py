@@ -122,7 +122,7 @@ def test_dry_run_qwen3_8b_colocated() -> None:
         assert "--enable-memory-saver" in engine["cmd"] and "--mem-fraction-static 0.4" in engine["cmd"]
         assert "--enable-deterministic-inference" in engine["cmd"]  # the trainer's seeds take effect
         # the key comes from the job's environment, never on the command line
-        assert "-m megatron_grpo.rollout.sglang.api_key_exec GRPO_SGLANG_API_KEY sglang.launch_server " in engine["cmd"]
+        assert "-m megatron_grpo.launch.api_key_exec GRPO_SGLANG_API_KEY sglang.launch_server " in engine["cmd"]
         assert "--api-key" not in engine["cmd"]
     assert plan["router"] == []
     # the doctor runs first, once per node, with the job's layout and the engines' ports

@@ -87,7 +87,7 @@ def test_trainer_launches_servers_and_router_distributed_sync(tmp_path, policy_d
     router_commands = [c for c in commands if "sglang_router.launch_router" in c]
     assert len(router_commands) == 1
     # every process got the run's key, from its environment: none on a command line
-    keyed = f"-m megatron_grpo.rollout.sglang.api_key_exec {API_KEY_VARIABLE} "
+    keyed = f"-m megatron_grpo.launch.api_key_exec {API_KEY_VARIABLE} "
     assert all(keyed in c and "--api-key" not in c for c in engine_commands + router_commands), commands
 
 

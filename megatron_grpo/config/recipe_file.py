@@ -105,7 +105,7 @@ def load_recipe(path: Path, _chain: tuple[Path, ...] = ()) -> RawRecipe:
         candidates = [path.parent / base, RECIPE_DIR / base]
         base_path = next((c for c in candidates if c.is_file()), None)
         if base_path is None:
-            looked = ", ".join(str(c) for c in candidates)
+            looked = ", ".join(str(c) for c in dict.fromkeys(candidates))  # a recipe in RECIPE_DIR: one path
             raise ConfigError(f"{where}: defaults entry '{base}' not found (looked for {looked})")
         layer = load_recipe(base_path, (*_chain, here))
         deep_merge(merged.data, layer.data)

@@ -133,19 +133,16 @@ def _paths(config: Config, placement: Placement) -> list[Finding]:
             if key == "model.path":
                 rows.append(Finding.ok(key, "the initial policy", "none: built from trainer.seed at the start"))
             continue
-        path = Path(value)
-        if path.exists():
-            problem = node.unreadable(path)
+        if os.path.lexists(value) or value.startswith(("/", ".", "~")):
+            problem = node.unreadable(Path(value).expanduser())
             rows.append(Finding.blocker(key, "readable", f"{value}: {problem}") if problem
                         else Finding.ok(key, "readable", value))
-        elif os.environ.get("HF_HUB_OFFLINE") == "1" or "/" not in value.strip("/") or value.startswith(("/", ".")):
-            rows.append(Finding.blocker(key, "a readable local folder or file", f"{value}: no such path"))
-        else:
+        else:  # the start resolves it (HF cache, else the hub) and says so in one line if it cannot
             rows.append(Finding.note(key, "a local folder (compute nodes often have no internet)",
-                                     f"{value}: not a local path, so a hub id fetched at the start"))
+                                     f"{value}: not a local path, so a hub id (the HF cache, else a download)"))
     for key, files in (("data.train_files", config.data.train_files), ("data.val_files", config.data.val_files)):
         for file in files:
-            problem = node.unreadable(Path(file)) if Path(file).exists() else "no such file"
+            problem = node.unreadable(Path(file))
             rows.append(Finding.blocker(key, "readable", f"{file}: {problem}") if problem
                         else Finding.ok(key, "readable", file))
     if config.data.task and not config.data.train_files:
@@ -165,7 +162,7 @@ def _output(config: Config, placement: Placement) -> list[Finding]:
     per_save = None if params is None else params * (
         CHECKPOINT_BYTES_PER_PARAM + (HF_EXPORT_BYTES_PER_PARAM if config.checkpoint.save_hf else 0))
     keep = config.checkpoint.keep_last
-    free = f"{ckpt.free_bytes / GIB:.1f} GiB free at {ckpt.existing}"
+    free = "unknown" if ckpt.free_bytes is None else f"{ckpt.free_bytes / GIB:.1f} GiB free at {ckpt.existing}"
     if per_save is None:
         needs = "writable (size unknown: no model folder to measure)"
     else:
@@ -184,16 +181,17 @@ def _output(config: Config, placement: Placement) -> list[Finding]:
 
 def _parameter_count(config: Config) -> Optional[int]:
     """Parameters of the model folder's weights, from their size on disk and config.json's dtype."""
-    if config.model.path is None or not Path(config.model.path).is_dir():
-        return None
-    folder = Path(config.model.path)
-    weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    if not weights:
-        return None
+    folder = Path(config.model.path) if config.model.path else None
     try:
-        dtype = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("torch_dtype", "bfloat16")
-    except (OSError, ValueError):
-        dtype = "bfloat16"
+        if folder is None or not folder.is_dir():
+            return None
+        weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        fields = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # the model.path row reports the folder's problem
+        return None
+    if not weights or not isinstance(fields, dict):
+        return None
+    dtype = fields.get("dtype") or fields.get("torch_dtype") or "bfloat16"  # transformers 5 writes "dtype"
     return weights // (4 if dtype == "float32" else 2)
 
 
@@ -232,8 +230,12 @@ def _network(config: Config, placement: Placement) -> list[Finding]:
             if (placement.world_size or 0) > (placement.ranks_per_node or placement.world_size or 0):
                 rows.append(Finding.note(variable, "the interface between nodes", "unset: the library picks one"))
             continue
-        matched = _matching_interfaces(value, present)
+        # NCCL takes prefixes with ^ (exclude) and = (exact); Gloo only exact names, comma-separated
+        matched = (_matching_interfaces(value, present) if variable.startswith("NCCL") else
+                   [present[name] for name in value.split(",") if name in present])
         usable = [i for i in matched if i.up and i.ipv4]
+        if (placement.world_size or 0) > (placement.ranks_per_node or placement.world_size or 0):
+            usable = [i for i in usable if i.name != "lo"]  # loopback reaches no other node
         has = ", ".join(f"{i.name} {'/'.join(i.ipv4) or 'no IPv4'}{'' if i.up else ' (down)'}" for i in matched)
         rows.append(Finding.ok(variable, f"{value}: an interface that is up", has) if usable else
                     Finding.blocker(variable, f"{value}: an interface that is up with an address",
@@ -276,6 +278,9 @@ def _api_key(config: Config, placement: Placement) -> list[Finding]:
     if config.rollout.engine != "sglang":
         return []
     variable = config.rollout.sglang.api_key_env
+    if variable is None and launches_engines(config, placement) and not placement.starts_engines:
+        return [Finding.ok("engine API key", "a key, so only this run can call the engines",
+                           "a per-run key, made when the trainer starts them")]
     if variable is None:
         return [Finding.note("engine API key", "a key, so only this run can call the engines",
                              "none: rollout.sglang.api_key_env is not set (the slurm/ scripts set one)")]

@@ -36,7 +36,8 @@ def package(module: str, *distributions: str) -> Package:
             warnings.simplefilter("ignore")
             importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        error = "absent" if exc.name and module.startswith(exc.name) else f"needs {exc.name}, which is absent"
+        own = exc.name is not None and (module == exc.name or module.startswith(exc.name + "."))
+        error = "absent" if own else f"needs {exc.name}, which is absent"
     except Exception as exc:  # noqa: BLE001 - TE fails with OSError for a missing .so, apex with anything
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
     version = None
@@ -73,10 +74,13 @@ def torch_view() -> TorchView:
     except Exception as exc:  # noqa: BLE001
         return TorchView(None, f"{type(exc).__name__}: {exc}")
     view = TorchView(torch.__version__, cuda_build=torch.version.cuda)
-    if not torch.cuda.is_available():
-        return view
-    gpus = tuple(Gpu(torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory / 2**30)
-                 for i in range(torch.cuda.device_count()))
+    try:
+        if not torch.cuda.is_available():
+            return view
+        gpus = tuple(Gpu(torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory / 2**30)
+                     for i in range(torch.cuda.device_count()))
+    except Exception as exc:  # noqa: BLE001 - a broken driver or GPU is what the doctor reports
+        return TorchView(torch.__version__, f"CUDA: {type(exc).__name__}: {exc}", cuda_build=torch.version.cuda)
     try:
         nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
     except Exception:  # noqa: BLE001 - a build without NCCL
@@ -105,6 +109,8 @@ def interfaces() -> dict[str, Interface]:
 def port_taken(host: str, port: int) -> Optional[str]:
     """None if a server could bind `host:port` now, else why not."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # as uvicorn (SGLang) and the router bind: sockets of the previous job in TIME_WAIT do not count
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:
@@ -115,6 +121,7 @@ def port_taken(host: str, port: int) -> Optional[str]:
 def unreadable(path: Path) -> Optional[str]:
     """None if `path` (a file, or a folder and the files in it) can be read, else why not."""
     try:
+        os.stat(path)  # raises where Path.exists() would (a parent folder that cannot be entered)
         files = [path] if path.is_file() else [p for p in sorted(path.iterdir()) if p.is_file()]
         for file in files:
             with open(file, "rb") as handle:
@@ -129,14 +136,14 @@ def unreadable(path: Path) -> Optional[str]:
 class WritableFolder:
     existing: Path  # the folder itself, or its nearest existing parent (where it will be made)
     error: Optional[str]  # None: a file could be written there
-    free_bytes: int
+    free_bytes: Optional[int]  # None: unknown (then error says why)
 
 
 def writable_folder(path: Path) -> WritableFolder:
     """Writes and removes a file in `path` or its nearest existing parent: permissions alone
     say nothing for root, a read-only mount or a full quota."""
     existing = path.absolute()
-    while not existing.exists() and existing != existing.parent:
+    while not os.path.lexists(existing) and existing != existing.parent:
         existing = existing.parent
     error = None
     try:
@@ -150,7 +157,8 @@ def writable_folder(path: Path) -> WritableFolder:
     except OSError as exc:
         error = exc.strerror or str(exc)
     try:
-        free = shutil.disk_usage(existing).free
-    except OSError:
-        free = 0
+        free: Optional[int] = shutil.disk_usage(existing).free
+    except OSError as exc:
+        free = None
+        error = error or f"cannot read its free space: {exc.strerror or exc}"
     return WritableFolder(existing, error, free)

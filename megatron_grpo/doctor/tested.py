@@ -6,7 +6,7 @@ import functools
 import re
 from pathlib import Path
 
-LOCK_FILE = Path(__file__).resolve().parent / "cluster-cu13.txt"
+PINS_FILE = Path(__file__).resolve().parent / "cluster-cu13.txt"
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s;#]+)")
 
 
@@ -19,7 +19,7 @@ def canonical(name: str) -> str:
 def pinned_versions() -> dict[str, str]:
     """{canonical distribution name: pinned version} of every `name==version` line of the lock."""
     pins = {}
-    for line in LOCK_FILE.read_text(encoding="utf-8").splitlines():
+    for line in PINS_FILE.read_text(encoding="utf-8").splitlines():
         match = _PIN.match(line.strip())
         if match:
             pins[canonical(match.group(1))] = match.group(2)

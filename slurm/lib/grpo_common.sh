@@ -7,12 +7,12 @@
 #      the recipe; a bad recipe fails here, before any server starts;
 #   2. plans the placement: trainer nodes and tasks, and which node/GPUs/port each SGLang engine
 #      gets (ENGINE_PLACEMENT, below);
-#   3. runs `megatron-grpo doctor` on every node (one srun task each): the recipe's needs against
+#   3. makes the job's engine API key (GRPO_SGLANG_API_KEY, random, exported to every step, never on
+#      a command line: launch/api_key_exec.py hands it to SGLang's and the router's --api-key);
+#   4. runs `megatron-grpo doctor` on every node (one srun task each): the recipe's needs against
 #      each node (packages, GPUs, model and data readable, output writable with room for a
-#      checkpoint, ports free, network interfaces); stops with the nodes' blocker lines;
-#   4. makes the job's engine API key (GRPO_SGLANG_API_KEY, random, exported to every step, never on
-#      a command line: rollout/sglang/api_key_exec.py hands it to SGLang's and the router's
-#      --api-key), then starts one `srun` step per engine (python -m sglang.launch_server), waits until each answers
+#      checkpoint, ports free, network interfaces); stops with the nodes' blocker lines; then
+#      starts one `srun` step per engine (python -m sglang.launch_server), waits until each answers
 #      GET /health_generate (it generated a token), then the router (python -m
 #      sglang_router.launch_router) on the batch node, ready on GET /readiness (its /health is 200
 #      even with no live worker);
@@ -68,7 +68,7 @@
 #                        Works inside an allocation (DRY_RUN=1 sbatch ...) and outside one
 #                        (DRY_RUN=1 bash slurm/X.sh: nodes from DRY_RUN_NODELIST or node1..N)
 
-GRPO_KEYED=megatron_grpo.rollout.sglang.api_key_exec  # runs a module with --api-key from the environment
+GRPO_KEYED=megatron_grpo.launch.api_key_exec  # runs a module with --api-key from the environment
 GRPO_PIDS=()        # every process this script started (srun clients, router)
 GRPO_PID_NAMES=()
 GRPO_TRAINER_PID=""
@@ -342,6 +342,8 @@ grpo_api_key() {
     [ "${#GRPO_ENGINE_HOST[@]}" -gt 0 ] || return 0
     if [ -z "${GRPO_SGLANG_API_KEY:-}" ]; then
         GRPO_SGLANG_API_KEY=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+        [ "${#GRPO_SGLANG_API_KEY}" = 64 ] || grpo_die "could not make the engines' API key from /dev/urandom"
+        GRPO_KEY_MADE_HERE=1  # a resubmission makes its own; a key set outside is kept
     fi
     export GRPO_SGLANG_API_KEY
 }
@@ -417,7 +419,9 @@ grpo_wait_healthy() {  # grpo_wait_healthy PID_INDEX_OFFSET PATH URL...: every U
     while [ "${#pending[@]}" -gt 0 ]; do
         for ((i = offset; i < ${#GRPO_PIDS[@]}; i++)); do
             kill -0 "${GRPO_PIDS[$i]}" 2>/dev/null || {
-                tail -n 30 "$GRPO_LOG_DIR/${GRPO_PID_NAMES[$i]}"*.log >&2 2>/dev/null
+                # SGLang logs its settings, the key among them: the tail goes to the job's .out file
+                tail -n 30 "$GRPO_LOG_DIR/${GRPO_PID_NAMES[$i]}"*.log 2>/dev/null \
+                    | { if [ -n "${GRPO_SGLANG_API_KEY:-}" ]; then sed "s/${GRPO_SGLANG_API_KEY}/***/g"; else cat; fi; } >&2
                 grpo_die "${GRPO_PID_NAMES[$i]} exited before all servers were healthy (logs in $GRPO_LOG_DIR)"; }
         done
         local still=()
@@ -445,7 +449,7 @@ grpo_resubmit() {
     [ -r "$script" ] || script=$0
     # This job's SLURM_* variables must not leak into the next job (SLURM_CONF may stay).
     for v in $(compgen -e | grep '^SLURM_' | grep -v '^SLURM_CONF$'); do unset_args+=(-u "$v"); done
-    unset_args+=(-u GRPO_SGLANG_API_KEY)  # the next job makes its own
+    [ "${GRPO_KEY_MADE_HERE:-0}" = 1 ] && unset_args+=(-u GRPO_SGLANG_API_KEY)  # the next job makes its own
     read -r -a extra <<< "${GRPO_SBATCH_ARGS:-}"
     if env "${unset_args[@]}" GRPO_RUN_DIR="$GRPO_RUN_DIR" GRPO_RESUBMIT_COUNT=$((count + 1)) \
         sbatch --dependency="afterany:$SLURM_JOB_ID" --nodes="$SLURM_JOB_NUM_NODES" "${extra[@]}" "$script" "${GRPO_ARGS[@]}" \
@@ -495,7 +499,7 @@ grpo_main() {
     if [ "${DRY_RUN:-0}" = 1 ]; then grpo_dry_run; return 0; fi
 
     mkdir -p "$GRPO_LOG_DIR" || grpo_die "cannot create $GRPO_LOG_DIR"
-    chmod 700 "$GRPO_LOG_DIR"  # SGLang writes its settings, the key among them, into its log
+    chmod 700 "$GRPO_LOG_DIR" || grpo_die "cannot make $GRPO_LOG_DIR private (chmod 700): SGLang logs its key there"
     GRPO_LOG_FILE=$GRPO_LOG_DIR/batch.log
     trap grpo_on_exit EXIT
     trap 'grpo_on_signal USR1' USR1

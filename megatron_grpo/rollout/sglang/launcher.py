@@ -9,7 +9,7 @@ before the model can serve), a router answers `GET /readiness` (its `/health` is
 live worker).
 
 An API key never goes on a command line (`ps` shows every user's): the process gets it in the
-environment (API_KEY_VARIABLE) and runs through api_key_exec.py, which hands it to the module."""
+environment (API_KEY_VARIABLE) and runs through launch/api_key_exec.py, which hands it to the module."""
 from __future__ import annotations
 
 import atexit
@@ -28,11 +28,11 @@ from megatron_grpo.rollout.sglang.errors import SGLangError
 from megatron_grpo.rollout.sglang.http_json import request_json
 
 
-API_KEY_VARIABLE = "MEGATRON_GRPO_SGLANG_API_KEY"  # the launched process's key (api_key_exec.py)
+API_KEY_VARIABLE = "MEGATRON_GRPO_SGLANG_API_KEY"  # the launched process's key (launch/api_key_exec.py)
 
 
 def keyed_command(command: Sequence[str], api_key: str | None) -> list[str]:
-    """`python -m MODULE` -> `python -m megatron_grpo.rollout.sglang.api_key_exec VARIABLE MODULE`
+    """`python -m MODULE` -> `python -m megatron_grpo.launch.api_key_exec VARIABLE MODULE`
     when there is a key: the key then comes from the environment."""
     command = list(command)
     if not api_key:
@@ -40,8 +40,8 @@ def keyed_command(command: Sequence[str], api_key: str | None) -> list[str]:
     if "-m" not in command[:-1]:
         raise ConfigError(f"cannot pass an API key to {' '.join(command)} without putting it on the command line: "
                           "rollout.sglang.launch_command / router_command must run `python -m MODULE`")
-    at = command.index("-m") + 1
-    return [*command[:at], "megatron_grpo.rollout.sglang.api_key_exec", API_KEY_VARIABLE, *command[at:]]
+    at = len(command) - 1 - command[::-1].index("-m") + 1  # python's -m (a prefix such as numactl may have one)
+    return [*command[:at], "megatron_grpo.launch.api_key_exec", API_KEY_VARIABLE, *command[at:]]
 
 
 @dataclass(frozen=True)
@@ -113,10 +113,12 @@ class ManagedProcess:
     api_key: str | None = None  # in its environment, never in cmd
 
     def log_tail(self, chars: int = 2000) -> str:
+        """The end of its log, for error messages: the key (SGLang logs its settings) shown as ***."""
         try:
-            return self.log_path.read_text(errors="replace")[-chars:]
+            tail = self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+        return tail.replace(self.api_key, "***") if self.api_key else tail
 
 
 @dataclass
@@ -142,7 +144,9 @@ class SGLangLauncher:
         log_path = Path(self.log_dir) / f"{name}.log"
         env = {**os.environ, **self.env, **({API_KEY_VARIABLE: api_key} if api_key else {})}
         # SGLang writes its settings, the key among them, to this log: only this user may read it
-        with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)  # also a log left by an earlier run
+        with open(fd, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
             # SIGTERM when the launching thread dies (also on kill -9 of the trainer): SGLang's

@@ -1,4 +1,4 @@
-"""`python -m megatron_grpo.rollout.sglang.api_key_exec VARIABLE MODULE [ARGS ...]` runs
+"""`python -m megatron_grpo.launch.api_key_exec VARIABLE MODULE [ARGS ...]` runs
 `python -m MODULE ARGS ... --api-key <the value of $VARIABLE>` in this process, so that the key
 never appears on a command line (`ps` shows every user's). SGLang's server and sglang-router take
 their key only as `--api-key` (neither reads one from the environment); both parse sys.argv, which
@@ -13,7 +13,7 @@ import sys
 
 def main(argv: list[str]) -> None:
     if len(argv) < 2:
-        sys.exit("usage: python -m megatron_grpo.rollout.sglang.api_key_exec VARIABLE MODULE [ARGS ...]")
+        sys.exit("usage: python -m megatron_grpo.launch.api_key_exec VARIABLE MODULE [ARGS ...]")
     variable, module, *args = argv
     key = os.environ.pop(variable, "")
     if not key:
