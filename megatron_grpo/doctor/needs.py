@@ -234,12 +234,16 @@ def _network(config: Config, placement: Placement) -> list[Finding]:
         matched = (_matching_interfaces(value, present) if variable.startswith("NCCL") else
                    [present[name] for name in value.split(",") if name in present])
         usable = [i for i in matched if i.up and i.ipv4]
-        if (placement.world_size or 0) > (placement.ranks_per_node or placement.world_size or 0):
-            usable = [i for i in usable if i.name != "lo"]  # loopback reaches no other node
         has = ", ".join(f"{i.name} {'/'.join(i.ipv4) or 'no IPv4'}{'' if i.up else ' (down)'}" for i in matched)
-        rows.append(Finding.ok(variable, f"{value}: an interface that is up", has) if usable else
-                    Finding.blocker(variable, f"{value}: an interface that is up with an address",
-                                    has or f"no such interface (this node has {', '.join(sorted(present))})"))
+        many_nodes = (placement.world_size or 0) > (placement.ranks_per_node or placement.world_size or 0)
+        if not usable:
+            rows.append(Finding.blocker(variable, f"{value}: an interface that is up with an address",
+                                        has or f"no such interface (this node has {', '.join(sorted(present))})"))
+        elif many_nodes and all(i.name == "lo" for i in usable):  # right only when every "node" is this host
+            rows.append(Finding.note(variable, f"{value}: an interface that reaches the other nodes",
+                                     f"{has}: loopback reaches no other host"))
+        else:
+            rows.append(Finding.ok(variable, f"{value}: an interface that is up", has))
     return rows
 
 
