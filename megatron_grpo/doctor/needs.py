@@ -33,6 +33,11 @@ class Placement:
     bind_host: Optional[str] = None  # address those servers bind; None = rollout.sglang.host
     starts_engines: bool = False  # the job starts SGLang servers on its nodes (slurm/), whatever the urls say
 
+    @property
+    def spans_nodes(self) -> bool:
+        """More trainer ranks than this node holds: the collectives cross the network."""
+        return (self.world_size or 0) > (self.ranks_per_node or self.world_size or 0)
+
 
 def check_recipe(config: Config, placement: Placement) -> list[Finding]:
     findings: list[Finding] = []
@@ -227,7 +232,7 @@ def _network(config: Config, placement: Placement) -> list[Finding]:
     for variable in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         value = os.environ.get(variable)
         if not value:
-            if (placement.world_size or 0) > (placement.ranks_per_node or placement.world_size or 0):
+            if placement.spans_nodes:
                 rows.append(Finding.note(variable, "the interface between nodes", "unset: the library picks one"))
             continue
         # NCCL takes prefixes with ^ (exclude) and = (exact); Gloo only exact names, comma-separated
@@ -235,11 +240,10 @@ def _network(config: Config, placement: Placement) -> list[Finding]:
                    [present[name] for name in value.split(",") if name in present])
         usable = [i for i in matched if i.up and i.ipv4]
         has = ", ".join(f"{i.name} {'/'.join(i.ipv4) or 'no IPv4'}{'' if i.up else ' (down)'}" for i in matched)
-        many_nodes = (placement.world_size or 0) > (placement.ranks_per_node or placement.world_size or 0)
         if not usable:
             rows.append(Finding.blocker(variable, f"{value}: an interface that is up with an address",
                                         has or f"no such interface (this node has {', '.join(sorted(present))})"))
-        elif many_nodes and all(i.name == "lo" for i in usable):  # right only when every "node" is this host
+        elif placement.spans_nodes and all(i.name == "lo" for i in usable):  # right only when every "node" is this host
             rows.append(Finding.note(variable, f"{value}: an interface that reaches the other nodes",
                                      f"{has}: loopback reaches no other host"))
         else:

@@ -40,7 +40,8 @@ def keyed_command(command: Sequence[str], api_key: str | None) -> list[str]:
     if "-m" not in command[:-1]:
         raise ConfigError(f"cannot pass an API key to {' '.join(command)} without putting it on the command line: "
                           "rollout.sglang.launch_command / router_command must run `python -m MODULE`")
-    at = len(command) - 1 - command[::-1].index("-m") + 1  # python's -m (a prefix such as numactl may have one)
+    # python's -m: the last one before the module (a prefix such as `numactl -m 0` may have its own)
+    at = max(i for i, part in enumerate(command[:-1]) if part == "-m") + 1
     return [*command[:at], "megatron_grpo.launch.api_key_exec", API_KEY_VARIABLE, *command[at:]]
 
 
