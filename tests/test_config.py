@@ -590,7 +590,8 @@ def test_loss_agg_modes_equal_the_algorithms():
 
 @pytest.mark.parametrize("key, value", [("n", 0), ("n", 1), ("top_p", 0.0), ("top_p", 1.0), ("top_p", 1.5),
                                         ("top_k", -2), ("top_k", -1), ("top_k", 0), ("top_k", 1),
-                                        ("temperature", -0.5), ("temperature", 0.5)])
+                                        ("temperature", -0.5), ("temperature", 0.5), ("min_p", -0.1),
+                                        ("min_p", 0.0), ("min_p", 0.05), ("min_p", 1.0)])
 def test_rollout_ranges_equal_the_engines(key, value):
     """Validation refuses a rollout setting exactly when the engines' SamplingParams would (so a
     recipe never passes validation to fail at the first generation); the one difference is
@@ -618,3 +619,25 @@ def test_routing_replay_with_sglang_is_refused_until_the_client_reads_the_routes
     validate(valid(*moe))
     message = error_of(validate, valid(*moe, "rollout.engine=sglang"))
     assert "actor.moe_routing_replay=true with rollout.engine=sglang" in message
+
+
+def test_sampling_replay_follows_truncation_and_the_engine():
+    """auto = on exactly when sampling is truncated; SGLang needs a finite top_k for the supports
+    (return_sampling_mask); on without truncation, and replay with multi-turn, are refused."""
+    from megatron_grpo.config.derived import implied_settings, sampling_replay_enabled
+
+    assert not sampling_replay_enabled(valid())
+    for truncation in ("rollout.top_p=0.9", "rollout.top_k=20", "rollout.min_p=0.05"):
+        assert sampling_replay_enabled(valid(truncation)), truncation
+        assert not sampling_replay_enabled(valid(truncation, "rollout.sampling_replay=off"))
+    assert any("sampling replay: on" in line for line in implied_settings(valid("rollout.top_k=20")))
+    with pytest.raises(ConfigError, match="rollout.sampling_replay=on but sampling is not truncated"):
+        validate(valid("rollout.sampling_replay=on"))
+    with pytest.raises(ConfigError, match=r"needs rollout.top_k in \[2, 4096\] with SGLang, got -1"):
+        validate(valid("rollout.engine=sglang", "rollout.sglang.urls=[http://127.0.0.1:1]", "rollout.top_p=0.9"))
+    validate(valid("rollout.engine=sglang", "rollout.sglang.urls=[http://127.0.0.1:1]", "rollout.top_p=0.9",
+                   "rollout.top_k=50"))
+    validate(valid("rollout.engine=sglang", "rollout.sglang.urls=[http://127.0.0.1:1]", "rollout.top_p=0.9",
+                   "rollout.sampling_replay=off"))
+    with pytest.raises(ConfigError, match="not supported with rollout.multi_turn"):
+        validate(valid("rollout.top_k=20", "rollout.multi_turn.environment=lookup"))

@@ -2,7 +2,8 @@
 
 The same batch of very uneven sequences (2 to 48 tokens: prompts of 1..16, responses of 1..32)
 goes through the trainer's own pieces twice from the same weights, padded and packed, at
-single process, TP2xPP2, TP2xDP2, CP2xTP2 (+ sequence parallel) and CP2xDP2: the reference
+single process, TP2xPP2, TP2xDP2, CP2xTP2 (+ sequence parallel) and CP2xDP2 (the TP2xPP2 and
+CP2xTP2 batches with sampling supports: every pass over the support, as sampling replay does): the reference
 log-prob pass (its own token budget, ref.max_tokens_per_micro_batch), the old-log-prob pass of
 the second mini-batch (actor.logprob_max_tokens_per_micro_batch), then two updates (loss with KL
 and entropy terms). Compared: every sample's reference log-probs, each update's loss / policy loss
@@ -38,17 +39,24 @@ METRICS = ("actor/loss", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "act
 KL_COEF, ENTROPY_COEF = 0.5, 0.01
 
 
-def uneven_samples(count: int, vocab: int, seed: int = 0):
-    """Sequences from 2 to 48 tokens, the extremes included."""
+def uneven_samples(count: int, vocab: int, seed: int = 0, supports: bool = False):
+    """Sequences from 2 to 48 tokens, the extremes included; with `supports`, each response token
+    has a sampling support of 1 to 40 ids around it (sampling replay: log-probs over the support)."""
     from megatron_grpo.trainer.batches.batching import TrainSample
 
     rng = random.Random(seed)
     shapes = [(1, 1), (16, 32), (1, 32), (16, 1)] + [(rng.randint(1, 16), rng.randint(1, 32)) for _ in range(count - 4)]
     rng.shuffle(shapes)
-    return [TrainSample(prompt_ids=[rng.randrange(vocab) for _ in range(p)],
-                        response_ids=[rng.randrange(vocab) for _ in range(r)],
-                        advantage=rng.uniform(0.25, 1.5),
-                        rollout_logprobs=[-rng.uniform(0.1, 6.0) for _ in range(r)]) for p, r in shapes]
+    samples = [TrainSample(prompt_ids=[rng.randrange(vocab) for _ in range(p)],
+                           response_ids=[rng.randrange(vocab) for _ in range(r)],
+                           advantage=rng.uniform(0.25, 1.5),
+                           rollout_logprobs=[-rng.uniform(0.1, 6.0) for _ in range(r)]) for p, r in shapes]
+    if supports:
+        support_rng = random.Random(seed + 1)
+        for sample in samples:
+            sample.sampling_support = [sorted({token, *support_rng.sample(range(vocab), support_rng.randint(0, 39))})
+                                       for token in sample.response_ids]
+    return samples
 
 
 def _packed_and_padded(rank, world_size, policy_path, ref_path, parallel, overrides, samples):
@@ -147,21 +155,24 @@ def check_packed_equals_padded(results, label: str) -> None:
     assert not bad, f"{label}: packed differs from padded beyond {TOLERANCE:.2e}: {bad}"
 
 
+# (parallel layout, overrides, sampling supports): the supports make every log-prob pass the
+# sampling-replay one (ops/support_logprobs.py), at a pipeline and at a context-parallel layout.
 LAYOUTS = {
-    "single": (dict(), []),
-    "tp2-pp2": (dict(tensor=2, pipeline=2), ["actor.loss_agg_mode=seq-mean-token-sum-norm"]),
-    "tp2-dp2": (dict(tensor=2), []),
-    "cp2-tp2-sp": (dict(context=2, tensor=2, sequence_parallel=True), ["actor.loss_agg_mode=seq-mean-token-mean"]),
-    "cp2-dp2": (dict(context=2), ["actor.loss_agg_mode=seq-mean-token-mean"]),
+    "single": (dict(), [], False),
+    "tp2-pp2-replay": (dict(tensor=2, pipeline=2), ["actor.loss_agg_mode=seq-mean-token-sum-norm"], True),
+    "tp2-dp2": (dict(tensor=2), [], False),
+    "cp2-tp2-sp-replay": (dict(context=2, tensor=2, sequence_parallel=True),
+                          ["actor.loss_agg_mode=seq-mean-token-mean"], True),
+    "cp2-dp2": (dict(context=2), ["actor.loss_agg_mode=seq-mean-token-mean"], False),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_packed_step_equals_padded_step(models, layout):
-    parallel, overrides = LAYOUTS[layout]
+    parallel, overrides, supports = LAYOUTS[layout]
     world_size = 1 if not parallel else 4
-    samples = uneven_samples(16, vocab=250)
+    samples = uneven_samples(16, vocab=250, supports=supports)
     results = run_distributed(_packed_and_padded, world_size, args=(*models, parallel, overrides, samples),
                               timeout=600)
     check_packed_equals_padded(results, layout)

@@ -140,14 +140,15 @@ def test_inverse_cdf_sampling_matches_distribution():
     logits = torch.randn(1, 6) * 1.5
     n = 20000
     state = make_state([0.8] * n, [1.0] * n, [-1] * n, list(range(n)), torch.device("cpu"))
-    tokens, logprobs = sample_tokens(logits.expand(n, 6), state)
+    sampled = sample_tokens(logits.expand(n, 6), state)
+    tokens, logprobs = sampled.tokens, sampled.logprobs
     expected = torch.softmax(logits[0] / 0.8, -1)
     freq = torch.bincount(tokens, minlength=6).float() / n
     assert float((freq - expected).abs().max()) < 0.015  # ~4 sigma at n=20000
     torch.testing.assert_close(logprobs, torch.log(expected)[tokens], atol=1e-6, rtol=0)
     # top-k 2 keeps exactly the two most likely tokens, in proportion
     state = make_state([0.8] * n, [1.0] * n, [2] * n, list(range(n)), torch.device("cpu"))
-    tokens, _ = sample_tokens(logits.expand(n, 6), state)
+    tokens = sample_tokens(logits.expand(n, 6), state).tokens
     top2 = expected.topk(2).indices
     assert set(tokens.unique().tolist()) == set(top2.tolist())
     share = float((tokens == top2[0]).float().mean())

@@ -133,20 +133,34 @@ LAYOUT_COMMON = [*FAST, "trainer.total_steps=2", "actor.use_kl_loss=true", "acto
                  "actor.old_logprob_check_interval=1"]
 
 
+# Truncated sampling with sampling replay: every log-prob pass is over each token's support.
+REPLAY = ["rollout.top_p=0.9", "rollout.top_k=20"]
+
+
 @pytest.fixture(scope="module")
 def single_process_run(tmp_path_factory):
-    """The one-process reference every layout is compared with (computed once for the module)."""
-    out = tmp_path_factory.mktemp("single")
-    return run_distributed(_train_in_process, 1, ([*LAYOUT_COMMON, f"logging.output_dir={out}"],), timeout=600)[0]
+    """The one-process references the layouts are compared with, without and with sampling replay
+    (each computed once for the module, when a layout first asks for it)."""
+    runs = {}
+
+    def run(replay: bool):
+        if replay not in runs:
+            out = tmp_path_factory.mktemp("single")
+            runs[replay] = run_distributed(_train_in_process, 1, ([*LAYOUT_COMMON, *(REPLAY if replay else []),
+                                                                   f"logging.output_dir={out}"],), timeout=600)[0]
+        return runs[replay]
+
+    return run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [("tensor=2", "pipeline=2"), ("tensor=2", "pipeline=1"),
-                                    ("context=2", "tensor=2"), ("context=2",)],
-                         ids=["tp2-pp2", "tp2-dp2", "cp2-tp2", "cp2-dp2"])
-def test_parallel_layouts_match_single_process(tmp_path, layout, single_process_run):
-    single = single_process_run
-    parallel = run_distributed(_train_in_process, 4, ([*LAYOUT_COMMON, f"logging.output_dir={tmp_path / 'parallel'}",
+@pytest.mark.parametrize("layout, replay", [(("tensor=2", "pipeline=2"), True), (("tensor=2", "pipeline=1"), False),
+                                            (("context=2", "tensor=2"), True), (("context=2",), False)],
+                         ids=["tp2-pp2-replay", "tp2-dp2", "cp2-tp2-replay", "cp2-dp2"])
+def test_parallel_layouts_match_single_process(tmp_path, layout, replay, single_process_run):
+    single = single_process_run(replay)
+    parallel = run_distributed(_train_in_process, 4, ([*LAYOUT_COMMON, *(REPLAY if replay else []),
+                                                       f"logging.output_dir={tmp_path / 'parallel'}",
                                                        *(f"parallel.{x}" for x in layout)],), timeout=900)[0]
     first_single, first_parallel = single[0], parallel[0]
     assert first_single["reward/mean"] == first_parallel["reward/mean"]  # same rollout
@@ -156,6 +170,10 @@ def test_parallel_layouts_match_single_process(tmp_path, layout, single_process_
     # bitwise in every layout, as on one process.
     assert first_parallel["invariant/ratio_dev_first_minibatch"] == 0.0
     assert first_parallel["invariant/kl_at_step1"] == 0.0
+    # the engine's behaviour log-probs and the trainer's agree to fp32 rounding in every layout: with
+    # replay both are of the truncated distribution (without it the truncation bias would show here)
+    assert first_parallel["mismatch/abs_logp_diff_max"] < 1e-5
+    assert first_parallel["mismatch/ratio_outside_frac"] == 0.0
 
 
 def _reward_rise(records, window=5):

@@ -13,6 +13,14 @@ def engine_in_own_process(cfg: Config) -> bool:
     return local.process if local.process is not None else cfg.rollout.max_staleness > 0
 
 
+def sampling_replay_enabled(cfg: Config) -> bool:
+    """Whether the trainer computes its log-probs over each token's sampling support
+    (rollout.sampling_replay: auto = whenever top-p, top-k or min-p truncate the distribution)."""
+    r = cfg.rollout
+    truncated = r.top_p < 1 or r.top_k != -1 or r.min_p > 0
+    return truncated and r.sampling_replay != "off"
+
+
 def weight_sync_route(cfg: Config) -> str:
     """per_stage, colocated or rank0 (rollout.weight_sync_route; validate.py refuses a route the
     engine cannot take)."""
@@ -52,6 +60,12 @@ def implied_settings(cfg: Config) -> list[str]:
            "colocated": "every trainer rank feeds the SGLang engine rank on its GPU"}[route]
     source = "rollout.weight_sync_route" if r.weight_sync_route != "auto" else "rollout.weight_sync_route=auto"
     lines.append(f"weight sync route: {route}, {how} ({source})")
+    if sampling_replay_enabled(cfg):
+        lines.append(f"sampling replay: on (rollout.sampling_replay={r.sampling_replay}): log-probs over each token's "
+                     f"top-p/top-k/min-p support, as the engine sampled")
+    elif r.top_p < 1 or r.top_k != -1 or r.min_p > 0:
+        lines.append("sampling replay: off (rollout.sampling_replay=off): sampling is truncated but the trainer's "
+                     "log-probs are of the full distribution; off_policy and mismatch/* show the bias")
     return lines + inert_settings(cfg)
 
 

@@ -39,6 +39,9 @@ class ModelConfig:
     dtype: Dtype = "auto"  # auto = bfloat16 on GPU, float32 on CPU; float16 is refused (validate.py)
     make_vocab_size_divisible_by: int = 128  # megatron pads the vocab to a multiple of this x TP
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"  # auto = TE if importable
+    # The LM head's matmul in fp32 on both sides (trainer, local engine, SGLang's --enable-fp32-lm-head):
+    # bf16 logits are the largest source of engine-vs-trainer mismatch; nothing changes in an fp32 model.
+    fp32_lm_head: bool = False
     recompute_granularity: Literal["none", "selective", "full"] = "none"
     recompute_method: Literal["uniform", "block"] = "uniform"  # only read for granularity=full
     recompute_num_layers: int = 1
@@ -153,6 +156,12 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
+    min_p: float = 0.0  # 0 = off: drop tokens below min_p x the most likely token's probability
+    # Sampling-support replay: with top-p / top-k / min-p the engine samples from a truncated
+    # distribution; `on` trains on the log-probs of that same distribution (each token's support
+    # comes back from the engine: SGLang's return_sampling_mask, which needs a finite top_k <= its
+    # --sampling-mask-max-tokens), `off` on the full one; auto = on whenever sampling is truncated.
+    sampling_replay: Literal["auto", "on", "off"] = "auto"
     max_new_tokens: Optional[int] = None  # None = data.max_response_length (as verl)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from megatron_grpo.config.derived import overlong_cap, values_at
+from megatron_grpo.config.derived import overlong_cap, sampling_replay_enabled, values_at
 from megatron_grpo.config.model_dims import hf_config_file, model_dims
 from megatron_grpo.config.names import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, REWARD_FUNCTIONS, check_name, unknown_name
 from megatron_grpo.config.policy_clip import clip_problems
@@ -158,6 +158,9 @@ def _rollout(c: Config, out: list[str]) -> None:
         out.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if r.top_k != -1 and r.top_k < 1:
         out.append(f"rollout.top_k={r.top_k} must be -1 (off) or >= 1")
+    if not 0 <= r.min_p < 1:
+        out.append(f"rollout.min_p={r.min_p} must be in [0, 1)")
+    _sampling_replay(c, out)
     if r.max_new_tokens is not None and not 1 <= r.max_new_tokens <= c.data.max_response_length:
         out.append(f"rollout.max_new_tokens={r.max_new_tokens} must be in [1, data.max_response_length="
                    f"{c.data.max_response_length}]")
@@ -170,6 +173,27 @@ def _rollout(c: Config, out: list[str]) -> None:
     _asynchronous(c, out)
     if r.engine == "sglang":
         _sglang(c, out)
+
+
+# SGLang returns sampling supports only for a finite top_k <= --sampling-mask-max-tokens (default 4096).
+SGLANG_SAMPLING_MASK_MAX_TOKENS = 4096
+
+
+def _sampling_replay(c: Config, out: list[str]) -> None:
+    r = c.rollout
+    replay = sampling_replay_enabled(c)
+    if r.sampling_replay == "on" and not replay:
+        out.append("rollout.sampling_replay=on but sampling is not truncated (rollout.top_p=1, rollout.top_k=-1, "
+                   "rollout.min_p=0): there is no support to replay; set one of them or sampling_replay=off/auto")
+    if replay and r.engine == "sglang" and not 1 < r.top_k <= SGLANG_SAMPLING_MASK_MAX_TOKENS:
+        out.append(f"rollout.sampling_replay={r.sampling_replay} (on: sampling is truncated) needs rollout.top_k in "
+                   f"[2, {SGLANG_SAMPLING_MASK_MAX_TOKENS}] with SGLang, got {r.top_k}: SGLang returns each token's "
+                   f"sampling support only for a finite top_k (return_sampling_mask; raise --sampling-mask-max-tokens "
+                   f"for more); set rollout.top_k, or rollout.sampling_replay=off to train on the full distribution")
+    if replay and r.multi_turn.environment is not None:
+        out.append(f"rollout.sampling_replay={r.sampling_replay} (on: sampling is truncated) is not supported with "
+                   f"rollout.multi_turn yet (observation tokens have no support); set rollout.sampling_replay=off "
+                   f"(the behaviour log-probs still reach the off-policy correction and mismatch/*)")
 
 
 def _asynchronous(c: Config, out: list[str]) -> None:

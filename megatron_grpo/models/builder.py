@@ -137,11 +137,12 @@ def current_layout(sequence_parallel: bool = False) -> ParallelLayout:
 
 def build_model(model_config: ModelArchitecture, layout: ParallelLayout | None = None, *,
                 dtype: torch.dtype = torch.float32, backend: Backend = "auto",
-                recompute: Recompute = Recompute()) -> list[torch.nn.Module]:
+                recompute: Recompute = Recompute(), fp32_lm_head: bool = False) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage; one without VPP).
 
-    bf16 chunks are wrapped in megatron's Float16Module (fp32 logits out), as megatron-LM does."""
-    chunks = _build(model_config, layout, dtype, backend, recompute)
+    bf16 chunks are wrapped in megatron's Float16Module (fp32 logits out), as megatron-LM does;
+    with fp32_lm_head the output layer's matmul itself runs in fp32 (models/fp32_head.py)."""
+    chunks = _build(model_config, layout, dtype, backend, recompute, fp32_lm_head)
     if (model_config.is_moe and chunks[0].config.tensor_model_parallel_size > 1
             and not chunks[0].config.sequence_parallel):
         # megatron-core's MoELayer refuses to train so (ValueError at the first forward).
@@ -151,7 +152,7 @@ def build_model(model_config: ModelArchitecture, layout: ParallelLayout | None =
 
 
 def _build(model_config: ModelArchitecture, layout: ParallelLayout | None, dtype: torch.dtype, backend: Backend,
-           recompute: Recompute) -> list[torch.nn.Module]:
+           recompute: Recompute, fp32_lm_head: bool = False) -> list[torch.nn.Module]:
     from megatron.core import parallel_state as ps
 
     actual = current_layout(layout.sequence_parallel if layout else False)
@@ -167,11 +168,13 @@ def _build(model_config: ModelArchitecture, layout: ParallelLayout | None, dtype
         post = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
         spec = block_spec(model_config, config, actual.context, backend, vp_stage)
         chunks.append(_build_chunk(model_config, config, spec, pre, post, vp_stage, dtype,
-                                   local_context_parallel=actual.context > 1 and resolve_backend(backend) == "local"))
+                                   local_context_parallel=actual.context > 1 and resolve_backend(backend) == "local",
+                                   fp32_lm_head=fp32_lm_head))
     return chunks
 
 
-def _build_chunk(model_config, config, spec, pre_process, post_process, vp_stage, dtype, local_context_parallel):
+def _build_chunk(model_config, config, spec, pre_process, post_process, vp_stage, dtype, local_context_parallel,
+                 fp32_lm_head=False):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
@@ -196,15 +199,20 @@ def _build_chunk(model_config, config, spec, pre_process, post_process, vp_stage
 
         # Same module and state, our CP slicing in forward (see ops/context_parallel.py).
         model.rotary_pos_emb.__class__ = ContextParallelRotaryEmbedding
+    if fp32_lm_head and post_process:
+        from megatron_grpo.models.fp32_head import use_fp32_output_layer
+
+        use_fp32_output_layer(model.output_layer)  # same module and state, fp32 matmul
     if dtype == torch.bfloat16:
         return Float16Module(config, model)
     return model
 
 
 def build_reference_model(model_config: ModelArchitecture, layout: ParallelLayout | None = None, *,
-                          dtype: torch.dtype = torch.float32, backend: Backend = "auto") -> list[torch.nn.Module]:
+                          dtype: torch.dtype = torch.float32, backend: Backend = "auto",
+                          fp32_lm_head: bool = False) -> list[torch.nn.Module]:
     """Same network as build_model, frozen (requires_grad False) and in eval mode; no optimizer."""
-    chunks = _build(model_config, layout, dtype, backend, Recompute())
+    chunks = _build(model_config, layout, dtype, backend, Recompute(), fp32_lm_head)
     for chunk in chunks:
         chunk.eval()
         chunk.requires_grad_(False)

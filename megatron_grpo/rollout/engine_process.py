@@ -54,6 +54,7 @@ class EngineSpec:
     threads: int = 1  # torch intra-op threads of the engine process
     log_path: str | None = None
     record_routed_experts: bool = True  # a MoE model's routes in each sample (routing replay)
+    fp32_lm_head: bool = False  # model.fp32_lm_head: the LM head's matmul in fp32
 
 
 @dataclass
@@ -287,7 +288,8 @@ class _EngineServer:
         self.engine = LocalEngine.from_pretrained(spec.model_dir, device=spec.device, dtype=getattr(torch, spec.dtype),
                                                   seed=spec.seed, max_batch_rows=spec.max_batch_rows,
                                                   tokenizer_path=spec.tokenizer_path,
-                                                  record_routed_experts=spec.record_routed_experts)
+                                                  record_routed_experts=spec.record_routed_experts,
+                                                  fp32_lm_head=spec.fp32_lm_head)
         shapes = {name: tuple(param.shape)
                   for name, param in self.engine.model.named_parameters(remove_duplicate=False)}
         self.receiver = WeightReceiver(shapes, authkey, missing=self.engine.parameters_missing_from)

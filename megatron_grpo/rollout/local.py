@@ -39,6 +39,8 @@ class _Row:
     stop_ids: frozenset[int]
     response: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    behaviour: list[float] = field(default_factory=list)  # truncated sampling: the log-prob it was drawn with
+    support: list[list[int]] = field(default_factory=list)  # sampling-support replay: each token's support
     finish: str | None = None
     routed: list[torch.Tensor] = field(default_factory=list)  # MoE: [positions, layers, k] pieces
     matched: int | str | None = None
@@ -50,6 +52,19 @@ def _names_per_storage(model: torch.nn.Module) -> dict[str, list[str]]:
     for name, param in model.named_parameters(remove_duplicate=False):
         by_storage.setdefault(id(param), []).append(name)
     return {names[0]: names for names in by_storage.values()}
+
+
+def _upcast_lm_head(model: torch.nn.Module) -> None:
+    """model.fp32_lm_head: the LM head's matmul in fp32 (as the trainer's, models/fp32_head.py)."""
+    head = model.get_output_embeddings()
+    if head is None or head.weight.dtype == torch.float32:
+        return
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden.float(), head.weight.float(),
+                                          None if head.bias is None else head.bias.float())
+
+    head.forward = forward
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -98,13 +113,16 @@ class LocalEngine(RolloutEngine):
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, tokenizer_path: str | Path | None = None,
-                        **kwargs: Any) -> "LocalEngine":
+                        fp32_lm_head: bool = False, **kwargs: Any) -> "LocalEngine":
+        """With fp32_lm_head the LM head computes in fp32 (model.fp32_lm_head, as the trainer's)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"local rollout engine: {path} has no config.json (expected an HF model folder)")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        if fp32_lm_head:
+            _upcast_lm_head(model)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or path)
         return cls(model, tokenizer, device=device, **kwargs)
 
@@ -154,7 +172,10 @@ class LocalEngine(RolloutEngine):
         return [Sample(group_id=requests[r.request_index].group_id, sample_index=r.sample_index,
                        prompt_ids=list(requests[r.request_index].prompt_ids), response_ids=r.response,
                        logprobs=r.logprobs, finish_reason=r.finish, weight_version=version,
-                       matched_stop=r.matched, routed_experts=torch.cat(r.routed).numpy() if r.routed else None)
+                       matched_stop=r.matched, routed_experts=torch.cat(r.routed).numpy() if r.routed else None,
+                       behaviour_logprobs=r.behaviour if r.params.truncated else None,
+                       sampling_support=r.support if requests[r.request_index].return_support else None,
+                       engine="local")
                 for r in rows]
 
     def abort(self) -> None:
@@ -247,17 +268,24 @@ class LocalEngine(RolloutEngine):
         next_pos = torch.tensor([len(requests[r.request_index].prompt_ids) for r in rows], device=device)
         state = make_state([r.params.temperature for r in rows], [r.params.top_p for r in rows],
                            [r.params.top_k for r in rows],
-                           [derive_sample_seed(seeds[r.request_index], r.sample_index) for r in rows], device)
+                           [derive_sample_seed(seeds[r.request_index], r.sample_index) for r in rows], device,
+                           min_ps=[r.params.min_p for r in rows])
+        wants_support = {id(r): requests[r.request_index].return_support for r in rows}
         batch = list(rows)  # batch position -> row
         stop_window = {id(r): max((len(s) for s in r.params.stop), default=0) + 1 for r in rows}
 
         while True:
-            tokens, logprobs = sample_tokens(logits, state)
-            for row, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist()):
+            sampled = sample_tokens(logits, state, [wants_support[id(r)] for r in batch])
+            tokens = sampled.tokens
+            for row, token, logprob, behaviour, support in zip(batch, tokens.tolist(), sampled.logprobs.tolist(),
+                                                               sampled.behaviour.tolist(), sampled.supports):
                 if row.finish is not None:
                     continue
                 row.response.append(token)
                 row.logprobs.append(logprob)
+                row.behaviour.append(behaviour)
+                if support is not None:
+                    row.support.append(support)
                 self._check_finished(row, token, stop_window[id(row)])
             if self._abort_epoch != epoch:
                 for row in batch:

@@ -28,6 +28,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: whole vocabulary
+    min_p: float = 0.0  # 0: off; else drop tokens below min_p x the most likely token's probability
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -43,6 +44,8 @@ class SamplingParams:
             raise ValueError(f"sampling top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"sampling top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"sampling min_p must be in [0, 1), got {self.min_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"sampling max_new_tokens must be >= 1, got {self.max_new_tokens}")
         # Accept lists from YAML / JSON but keep the dataclass hashable and immutable.
@@ -55,6 +58,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def truncated(self) -> bool:
+        """Whether sampling draws from a truncated distribution (top-p, top-k or min-p), so that
+        a token's behaviour probability differs from its full-distribution one."""
+        return not self.greedy and (self.top_p < 1.0 or self.top_k != -1 or self.min_p > 0.0)
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -66,6 +75,9 @@ class GenerationRequest:
     # A later request continues this one's prompt + response (an episode's next turn): the local
     # engine keeps its KV cache for it (rollout/kept_kv.py); SGLang's radix cache keeps prefixes anyway.
     keep_kv: bool = False
+    # Sampling-support replay (rollout.sampling_replay): every response token comes back with the
+    # ids the engine could have drawn it from (Sample.sampling_support).
+    return_support: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -76,7 +88,13 @@ class GenerationRequest:
 @dataclass
 class Sample:
     """One generated response. `logprobs[i]` is log_softmax(logits / T)[response_ids[i]] in fp32,
-    taken before top-p/top-k filtering (T = 1 for greedy), the trainer's definition."""
+    taken before top-p/top-k/min-p filtering (T = 1 for greedy), SGLang's default.
+
+    With truncated sampling (SamplingParams.truncated) the token was really drawn from the
+    truncated, renormalised distribution; `behaviour_logprobs[i]` is that log-prob where the engine
+    reports it (the local engine always; SGLang through return_sampling_mask), and
+    `sampling_support[i]` the ids of that distribution's support when the request asked for it
+    (GenerationRequest.return_support): the trainer then computes its log-probs over the same ids."""
 
     group_id: str
     sample_index: int
@@ -90,6 +108,19 @@ class Sample:
     # int32 [len(prompt) + len(response) - 1, num_hidden_layers, top_k] (-1 on dense layers); the
     # last token is never fed back, so it has none. None: a dense model, or not asked for.
     routed_experts: Any = None
+    # Truncated sampling: per response token, the log-prob it was sampled with (see above); None
+    # where the engine cannot tell (then `logprobs` is the best known behaviour log-prob).
+    behaviour_logprobs: list[float] | None = None
+    # Sampling-support replay: per response token, the token ids it could have been drawn from
+    # (the top-k / top-p / min-p support, sampled token included; [token] for greedy). None: not asked.
+    sampling_support: list[list[int]] | None = None
+    # Which engine generated it (a server URL, or "local"): the mismatch health splits by engine.
+    engine: str = ""
+
+    @property
+    def sampled_logprobs(self) -> list[float]:
+        """The behaviour log-probs where known, else the engine's full-distribution ones."""
+        return self.behaviour_logprobs if self.behaviour_logprobs is not None else self.logprobs
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
@@ -97,6 +128,11 @@ class Sample:
         if len(self.response_ids) != len(self.logprobs):
             raise ValueError(f"sample {self.group_id!r}/{self.sample_index}: {len(self.response_ids)} "
                              f"response ids but {len(self.logprobs)} log-probs")
+        for name in ("behaviour_logprobs", "sampling_support"):
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.response_ids):
+                raise ValueError(f"sample {self.group_id!r}/{self.sample_index}: {len(self.response_ids)} "
+                                 f"response ids but {len(values)} {name}")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_grpo.algo import AdvantageConfig, GlobalBatchInfo, GRPOLossConfig, PolicyClipConfig
 from megatron_grpo.config import to_dict
-from megatron_grpo.config.derived import overlong_cap
+from megatron_grpo.config.derived import overlong_cap, sampling_replay_enabled
 from megatron_grpo.config.schema import Config
 from megatron_grpo.config.validate import PENALISED_FILTER_METRICS
 from megatron_grpo.errors import RolloutFailure
@@ -39,7 +39,8 @@ from megatron_grpo.trainer.rollouts.rollout_pipeline import RolloutPipeline
 from megatron_grpo.trainer.setup import Run, build_run, first_mini_batch_has_old_pass, old_logprobs_needed
 from megatron_grpo.trainer.signals import StopSignals
 from megatron_grpo.trainer.step.reward_kl import apply_kl_in_reward
-from megatron_grpo.trainer.step.train_step import fill_logprobs, train_on_mini_batch
+from megatron_grpo.trainer.step.mismatch import MismatchHealth
+from megatron_grpo.trainer.step.train_step import fill_logprobs, holds_distinct_tokens, train_on_mini_batch
 from megatron_grpo.trainer.sync.weight_sync import sync_weights
 
 
@@ -138,17 +139,21 @@ def grpo_step(run: Run, step: int, pipeline: RolloutPipeline | None = None) -> d
     loss_config = grpo_loss_config(cfg)
     # weight versions each sample is behind the trained weights (version step - 1): asynchronous only
     staleness = [step - 1 - v for v in batch.versions] if cfg.rollout.max_staleness > 0 else None
+    # every trained token's trainer-vs-engine log-prob difference, on the first pass (step-start weights)
+    mismatch = MismatchHealth([s.engine for s in batch.samples], staleness)
     with timer("train"):
         updates = []
-        for _ in range(cfg.actor.ppo_epochs):
+        for epoch in range(cfg.actor.ppo_epochs):
             for micro_batches in mini_batches:
                 updates.append(train_on_mini_batch(
                     run.policy, run.optimizer, micro_batches, loss_config=loss_config,
                     batch_info=global_batch_info(micro_batches, cfg),
                     temperature=cfg.rollout.temperature, vocab_size=run.model_config.vocab_size,
-                    device=run.device, need_entropy=True, sample_staleness=staleness))
+                    device=run.device, need_entropy=True, sample_staleness=staleness,
+                    mismatch=mismatch if epoch == 0 else None))
         run.scheduler.step(1)
     metrics.update(_mean_over_updates(updates))
+    metrics.update(mismatch.reduce(contributes=holds_distinct_tokens()))
     if measured:  # max |ratio - 1| at the first mini-batch: the update's forward vs the old-log-prob pass
         metrics["invariant/ratio_dev_first_minibatch"] = updates[0]["actor/ratio_max_abs_dev"]
     if step == 1 and "actor/kl" in updates[0]:
@@ -183,14 +188,15 @@ def _rollout_batch(run: Run, step: int, pipeline: RolloutPipeline | None):
 
 def rollout_settings(cfg: Config) -> RolloutSettings:
     r = cfg.rollout
-    sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+    sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
                               max_new_tokens=r.max_new_tokens or cfg.data.max_response_length,
                               stop=tuple(r.stop), stop_token_ids=tuple(r.stop_token_ids), seed=cfg.trainer.seed)
     return RolloutSettings(n=r.n, sampling=sampling, adv_estimator=cfg.algorithm.adv_estimator,
                            advantage_config=AdvantageConfig(norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo),
                            filter_groups=cfg.algorithm.filter_groups.enable,
                            max_generation_rounds=cfg.algorithm.filter_groups.max_num_gen_batches,
-                           routing_replay=cfg.actor.moe_routing_replay, multi_turn=multi_turn_settings(cfg),
+                           routing_replay=cfg.actor.moe_routing_replay,
+                           sampling_replay=sampling_replay_enabled(cfg), multi_turn=multi_turn_settings(cfg),
                            overlong=overlong_penalty(cfg),
                            filter_on_penalised=cfg.algorithm.filter_groups.metric in PENALISED_FILTER_METRICS)
 

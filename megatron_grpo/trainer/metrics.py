@@ -125,7 +125,9 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 def plot_reward_curve(jsonl_path: str | os.PathLike, png_path: str | os.PathLike) -> Path:
-    """Writes reward (mean, and eval pass@1 when logged) per step as a PNG beside metrics.jsonl."""
+    """Writes reward (mean, and eval pass@1 when logged) per step as a PNG beside metrics.jsonl,
+    with a second panel of the engine-vs-trainer mismatch (p99 |delta log-prob| and the fraction of
+    token ratios outside [0.9, 1.1]) when the run logged it."""
     matplotlib = require("matplotlib", "the reward-curve plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -133,7 +135,9 @@ def plot_reward_curve(jsonl_path: str | os.PathLike, png_path: str | os.PathLike
     records = read_metrics(jsonl_path)
     steps = [r["step"] for r in records if "reward/mean" in r]
     rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    mismatch = [r for r in records if "mismatch/abs_logp_diff_p99" in r]
+    fig, axes = plt.subplots(2 if mismatch else 1, 1, figsize=(6, 6 if mismatch else 3.5), dpi=120, squeeze=False)
+    ax = axes[0, 0]
     ax.plot(steps, rewards, label="train reward (mean)")
     evals = [(r["step"], r["eval/pass@1"]) for r in records if "eval/pass@1" in r]
     if evals:
@@ -142,10 +146,28 @@ def plot_reward_curve(jsonl_path: str | os.PathLike, png_path: str | os.PathLike
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
+    if mismatch:
+        _plot_mismatch(axes[1, 0], mismatch)
     fig.tight_layout()
     fig.savefig(png_path)
     plt.close(fig)
     return Path(png_path)
+
+
+def _plot_mismatch(ax, records: list[dict]) -> None:
+    steps = [r["step"] for r in records]
+    ax.plot(steps, [max(r["mismatch/abs_logp_diff_p99"], 1e-12) for r in records], color="C2",
+            label="p99 |trainer - engine log-prob|")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("p99 |delta log-prob|")
+    ax.grid(alpha=0.3)
+    other = ax.twinx()
+    other.plot(steps, [r["mismatch/ratio_outside_frac"] for r in records], color="C3",
+               label="ratio outside [0.9, 1.1]")
+    other.set_ylabel("fraction of tokens")
+    lines = ax.get_legend_handles_labels()[0] + other.get_legend_handles_labels()[0]
+    ax.legend(lines, [line.get_label() for line in lines], loc="upper right", fontsize="small")
 
 
 def trim_metrics(path: str | os.PathLike, step: int) -> None:

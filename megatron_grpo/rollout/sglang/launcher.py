@@ -60,6 +60,7 @@ class ServerSettings:
     base_gpu_id: int | None = None  # the engine's first GPU (colocated engines: rollout/sglang/colocated.py)
     # SGLang ignores sampling_seed without it; costs throughput (docs/rollout.md: seeded rollouts).
     enable_deterministic_inference: bool = False
+    enable_fp32_lm_head: bool = False  # model.fp32_lm_head: the LM head in fp32, as the trainer's
     extra_args: tuple[str, ...] = ()
     # What starts one server; its flags follow. Tests point it at the SGLang test harness.
     command: tuple[str, ...] = (sys.executable, "-m", "sglang.launch_server")
@@ -81,6 +82,8 @@ def server_command(settings: ServerSettings) -> list[str]:
         cmd += ["--base-gpu-id", str(settings.base_gpu_id)]
     if settings.enable_deterministic_inference:
         cmd += ["--enable-deterministic-inference"]
+    if settings.enable_fp32_lm_head:
+        cmd += ["--enable-fp32-lm-head"]
     return cmd + list(settings.extra_args)
 
 

@@ -23,7 +23,7 @@ def build_local_engine(cfg: Config, model_dir: Path, device: torch.device, dtype
 
         return LocalEngine.from_pretrained(model_dir, device=device, dtype=dtype, seed=cfg.trainer.seed,
                                            max_batch_rows=rows, tokenizer_path=cfg.model.tokenizer_path,
-                                           record_routed_experts=record_routes)
+                                           record_routed_experts=record_routes, fp32_lm_head=cfg.model.fp32_lm_head)
     from megatron_grpo.rollout.engine_process import EngineSpec, ProcessEngine
 
     output_dir = Path(cfg.logging.output_dir)
@@ -31,7 +31,7 @@ def build_local_engine(cfg: Config, model_dir: Path, device: torch.device, dtype
     spec = EngineSpec(model_dir=str(model_dir), device=str(device), dtype=str(dtype).removeprefix("torch."),
                       seed=cfg.trainer.seed, max_batch_rows=rows, tokenizer_path=cfg.model.tokenizer_path,
                       threads=cfg.rollout.local.threads, log_path=str(output_dir / "local_engine.log"),
-                      record_routed_experts=record_routes)
+                      record_routed_experts=record_routes, fp32_lm_head=cfg.model.fp32_lm_head)
     return ProcessEngine(spec, bucket_bytes=cfg.rollout.weight_bucket_mb * 2**20)
 
 

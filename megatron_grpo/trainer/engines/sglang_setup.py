@@ -51,6 +51,7 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
                                   # colocated: engine i on GPUs i*tp.. (rollout/sglang/colocated.py)
                                   base_gpu_id=i * s.tp_size if s.weight_sync == "tensor" else None,
                                   enable_deterministic_inference=s.deterministic_inference,
+                                  enable_fp32_lm_head=cfg.model.fp32_lm_head,
                                   extra_args=tuple(s.extra_args), command=command)
                    for i in range(s.num_engines)]
         router = None
@@ -95,8 +96,8 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
         health = engine.health()
         if not health:
             raise MegatronGRPOError(f"SGLang engines are not healthy at start: {health.detail}")
-        if s.deterministic_inference:
-            _warn_if_not_deterministic(client, urls)
+        _check_server_flags(client, urls, deterministic=s.deterministic_inference,
+                            fp32_lm_head=cfg.model.fp32_lm_head)
     except BaseException:
         client.close()
         if launcher is not None:
@@ -109,17 +110,27 @@ def _restarter(launcher, index: int, timeout_s: float):
     return lambda: launcher.restart(index, timeout_s=timeout_s)
 
 
-def _warn_if_not_deterministic(client, urls: list[str]) -> None:
-    """Seeds are sent; a server started without --enable-deterministic-inference ignores them."""
+def _check_server_flags(client, urls: list[str], *, deterministic: bool, fp32_lm_head: bool) -> None:
+    """Each server's /server_info against the recipe: a server without --enable-deterministic-inference
+    ignores the seeds the trainer sends (a warning); an LM head in another precision than the
+    trainer's (model.fp32_lm_head) is a mismatch on every token (an error)."""
     from megatron_grpo.rollout.sglang.errors import SGLangError
 
     for url in urls:
         try:
             info = client.call(url, "/server_info", method="GET", timeout_s=60.0)
         except SGLangError as exc:
-            log.warning("cannot read %s/server_info (%s): rollout reproducibility is unchecked", url, exc)
+            log.warning("cannot read %s/server_info (%s): rollout reproducibility and the LM head's precision "
+                        "are unchecked", url, exc)
             continue
-        if not info.get("enable_deterministic_inference"):
+        if deterministic and not info.get("enable_deterministic_inference"):
             log.warning("%s runs without --enable-deterministic-inference: it ignores sampling_seed, so rollouts "
                         "are not reproducible (start it with that flag, or set "
                         "rollout.sglang.deterministic_inference=false to stop sending seeds)", url)
+        engine_fp32 = bool(info.get("enable_fp32_lm_head"))
+        if engine_fp32 != fp32_lm_head:
+            raise MegatronGRPOError(
+                f"{url} runs {'with' if engine_fp32 else 'without'} --enable-fp32-lm-head but model.fp32_lm_head="
+                f"{str(fp32_lm_head).lower()}: the engine's and the trainer's LM heads must compute in the same "
+                f"precision (restart the server {'without' if engine_fp32 else 'with'} the flag, or set "
+                f"model.fp32_lm_head={str(engine_fp32).lower()})")

@@ -38,6 +38,9 @@ class RolloutSettings:
     # actor.moe_routing_replay: the samples' engine routes reach the trainer (models/routing_replay.py);
     # off, none are carried and the trainer's routers pick their own top-k
     routing_replay: bool = False
+    # rollout.sampling_replay (config/derived.py): each response token's sampling support reaches the
+    # trainer, whose log-probs are then over that support (ops/support_logprobs.py)
+    sampling_replay: bool = False
     # rollout.multi_turn (multi_turn_settings below): episodes against an environment; None = single-turn
     multi_turn: "MultiTurnSettings | None" = None
     # reward.overlong_buffer: DAPO's length penalty, added to each score; None = off
@@ -148,9 +151,9 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
     metrics["rollout/weight_version_max"] = float(max(s.weight_version for s in kept_samples))
     metrics.update(advantage_metrics(advantages))
     train_samples = [TrainSample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
-                                 advantage=float(a), rollout_logprobs=list(s.logprobs),
+                                 advantage=float(a), rollout_logprobs=list(s.sampled_logprobs),
                                  routed_experts=_routes(s) if settings.routing_replay else None,
-                                 response_mask=mask)
+                                 response_mask=mask, sampling_support=_support(s, settings), engine=s.engine)
                      for s, a, mask in zip(kept_samples, advantages.tolist(), kept_masks)]
     return RolloutBatch(samples=train_samples, metrics=metrics, versions=[s.weight_version for s in kept_samples],
                         scores=kept_scores, group_ids=group_ids)
@@ -166,7 +169,8 @@ def _single_turn_round(engine, prompts, tokenizer, rewards, settings, step, roun
     """One generate call for the prompts, then the reward function: (samples, scores, metrics)."""
     start = time.perf_counter()
     requests = [GenerationRequest(prompt_ids=p.input_ids, sampling=_seeded(settings.sampling, step, rounds, i),
-                                  group_id=f"{step}:{rounds}:{i}") for i, p in enumerate(prompts)]
+                                  group_id=f"{step}:{rounds}:{i}", return_support=settings.sampling_replay)
+                for i, p in enumerate(prompts)]
     # the local HF engine needs no megatron CPU shims
     with cuda_redirect_paused() if in_trainer_thread else contextlib.nullcontext():
         samples = engine.generate(requests)
@@ -219,7 +223,7 @@ def run_multi_turn(engine, prompts, tokenizer, mt: MultiTurnSettings, sampling: 
                                               keep_kv=turn.turn + 1 < mt.limits.max_turns))
         with cuda_redirect_paused() if in_trainer_thread else contextlib.nullcontext():
             samples = engine.generate(requests)
-        return [TurnOutput(s.response_ids, s.logprobs, s.finish_reason, s.weight_version,
+        return [TurnOutput(s.response_ids, s.sampled_logprobs, s.finish_reason, s.weight_version,
                            stopped_by_token=not isinstance(s.matched_stop, str)) for s in samples]
 
     trajectories = run_episodes(records, environments, ChatRenderer(tokenizer, mt.chat_template), mt.limits,
@@ -262,6 +266,15 @@ def _routes(sample: Sample) -> torch.Tensor:
                                 f"sample {sample.group_id!r}/{sample.sample_index} (a MoE model served by an engine "
                                 f"that records its routes: the local engine, or SGLang with return_routed_experts)")
     return torch.as_tensor(sample.routed_experts)
+
+
+def _support(sample: Sample, settings: RolloutSettings) -> list[list[int]] | None:
+    if not settings.sampling_replay:
+        return None
+    if sample.sampling_support is None:
+        raise MegatronGRPOError(f"sampling replay: the engine returned no sampling support for sample "
+                                f"{sample.group_id}/{sample.sample_index} ({sample.engine or 'unknown engine'})")
+    return sample.sampling_support
 
 
 def _seeded(sampling: SamplingParams, step: int, round_index: int, prompt_index: int) -> SamplingParams:

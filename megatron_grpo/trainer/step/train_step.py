@@ -19,8 +19,10 @@ import torch.distributed as dist
 from megatron_grpo.algo import GlobalBatchInfo, GRPOLossConfig, compute_grpo_loss, staleness_gap_sums
 from megatron_grpo.algo.off_policy import SAFETY_BOUND
 from megatron_grpo.models.moe_metrics import RouterStats
+from megatron_grpo.ops.support_logprobs import vocab_parallel_support_logprobs_and_entropy
 from megatron_grpo.ops.vocab_parallel import vocab_parallel_logprobs_and_entropy
 from megatron_grpo.trainer.batches.batching import MicroBatch, TrainSample
+from megatron_grpo.trainer.step.mismatch import MismatchHealth
 
 # Metrics reduced with MAX instead of SUM over micro-batches and ranks.
 MAX_METRICS = ("actor/ratio_max_abs_dev", "actor/logprob_abs_diff_max", "off_policy/is_ratio_max")
@@ -85,6 +87,19 @@ def _run_schedule(model_chunks, micro_batches: list[MicroBatch], loss_func, forw
     )
 
 
+def token_logprobs_and_entropy(micro_batch: MicroBatch, logits: torch.Tensor, *, temperature: float,
+                               vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy of the targets from this rank's logit shard: over each token's
+    sampling support when the micro-batch carries one (sampling replay), else the full vocabulary."""
+    ignore = ~micro_batch.loss_mask
+    if micro_batch.support is None:
+        return vocab_parallel_logprobs_and_entropy(logits, micro_batch.targets, temperature=temperature,
+                                                   vocab_size=vocab_size, ignore_mask=ignore)
+    return vocab_parallel_support_logprobs_and_entropy(logits, micro_batch.targets, micro_batch.support,
+                                                       temperature=temperature, vocab_size=vocab_size,
+                                                       ignore_mask=ignore)
+
+
 def compute_logprobs(model_chunks, micro_batches: list[MicroBatch], *, temperature: float, vocab_size: int,
                      device: torch.device) -> list[torch.Tensor] | None:
     """Forward-only pass; returns per-position log-probs per micro-batch, in its layout ([b, s]
@@ -93,8 +108,7 @@ def compute_logprobs(model_chunks, micro_batches: list[MicroBatch], *, temperatu
     from megatron.core import parallel_state
 
     def loss_func(micro_batch: MicroBatch, logits: torch.Tensor):
-        logp = vocab_parallel_logprobs_and_entropy(logits, micro_batch.targets, temperature=temperature,
-                                                   vocab_size=vocab_size, ignore_mask=~micro_batch.loss_mask)[0]
+        logp = token_logprobs_and_entropy(micro_batch, logits, temperature=temperature, vocab_size=vocab_size)[0]
         return torch.zeros((), device=logits.device), {"logprobs": logp.detach().cpu()}
 
     with torch.no_grad():
@@ -150,14 +164,17 @@ def fill_logprobs(model_chunks, samples: list[TrainSample], cfg, name: str, *, m
 def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch], *, loss_config: GRPOLossConfig,
                         batch_info: GlobalBatchInfo, temperature: float, vocab_size: int,
                         device: torch.device, need_entropy: bool,
-                        sample_staleness: list[int] | None = None) -> dict[str, float]:
+                        sample_staleness: list[int] | None = None,
+                        mismatch: MismatchHealth | None = None) -> dict[str, float]:
     """forward_backward over this rank's micro-batches, then one optimizer step.
 
     Returns mini-batch metrics (identical on every rank): loss terms and actor metrics summed over
     micro-batches and ranks (they are additive shares), grad norm, and whether the update was
     skipped because of a non-finite gradient. With `sample_staleness` (weight versions each sample
     of the batch is behind the trainer; asynchronous rollouts) also the proximal / behaviour ratio's
-    mean and max and the mean |log-prob gap| per staleness (off_policy/logprob_gap/staleness_<s>)."""
+    mean and max and the mean |log-prob gap| per staleness (off_policy/logprob_gap/staleness_<s>).
+    With `mismatch`, every trained token's trainer-vs-behaviour log-prob difference (at the weights
+    of the step start) is added to it (trainer/step/mismatch.py)."""
     from megatron.core import parallel_state
 
     for chunk in model_chunks:
@@ -168,8 +185,8 @@ def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch]
         off_policy.objective == "behaviour"
 
     def loss_func(micro_batch: MicroBatch, logits: torch.Tensor):
-        logp, entropy = vocab_parallel_logprobs_and_entropy(logits, micro_batch.targets, temperature=temperature,
-                                                            vocab_size=vocab_size, ignore_mask=~micro_batch.loss_mask)
+        logp, entropy = token_logprobs_and_entropy(micro_batch, logits, temperature=temperature,
+                                                   vocab_size=vocab_size)
         # The loss sees one row per sequence in either layout (packed rows are unpacked here:
         # per-token values only, so sequence-level terms see the padded layout's rows).
         rows = micro_batch.rows
@@ -189,7 +206,10 @@ def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch]
         if "rollout_logprobs" in per_token:
             # engine vs trainer on the weights of the step start (`old`), not the current ones: after
             # the step's first optimizer step the difference would include the update itself
-            diff = torch.where(mask, old - per_token["rollout_logprobs"], zero).abs()
+            delta = torch.where(mask, old - per_token["rollout_logprobs"], zero)
+            if mismatch is not None:
+                mismatch.add_rows(micro_batch.sample_indices, delta, mask, per_token["response_fraction"])
+            diff = delta.abs()
             metrics["actor/logprob_abs_diff_mean"] = diff.sum() / max(batch_info.num_valid_tokens, 1)
             metrics["actor/logprob_abs_diff_max"] = diff.max()
             if sample_staleness is not None:
@@ -239,17 +259,24 @@ def _gap_means(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def holds_distinct_tokens() -> bool:
+    """Whether this rank's loss values are its own: a last pipeline stage's tensor-parallel rank 0
+    (TP ranks compute identical values; CP and DP ranks hold different tokens)."""
+    from megatron.core import parallel_state
+
+    return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            and parallel_state.get_tensor_model_parallel_rank() == 0)
+
+
 def _reduce_metrics(outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Sums additive shares (max for MAX_METRICS) over micro-batches, then over the ranks that
     hold distinct data: last-stage ranks with TP rank 0 (TP ranks compute identical values)."""
-    from megatron.core import parallel_state
-
     local: dict[str, float] = {}
     for output in outputs:
         for key, value in output.items():
             value = float(value)
             local[key] = max(local.get(key, value), value) if key in MAX_METRICS else local.get(key, 0.0) + value
-    contributes = bool(outputs) and parallel_state.get_tensor_model_parallel_rank() == 0
+    contributes = bool(outputs) and holds_distinct_tokens()
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local if contributes else {})
     total: dict[str, float] = {}
