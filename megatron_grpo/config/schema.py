@@ -347,6 +347,10 @@ class TrainerConfig:
     # torch threads of the trainer process; None = torch's default, or with the local engine in its
     # own process on CPU the cores it leaves (cores - rollout.local.threads, at least 1)
     num_threads: Optional[int] = None
+    # Before step 1: is the engine-trainer pair sound? (trainer/preflight.py: rounds at lr 0, a weight
+    # round trip, the trainer and the engine against themselves); the run stops (exit 1) on a failure.
+    preflight: bool = False
+    preflight_rounds: int = 3  # rollouts at learning rate 0
 
 
 @dataclass(frozen=True)

@@ -430,6 +430,9 @@ def _trainer(c: Config, out: list[str]) -> None:
         out.append(f"trainer.total_steps={t.total_steps} must be >= 1 or null")
     if t.max_consecutive_nan_steps < 1:
         out.append(f"trainer.max_consecutive_nan_steps={t.max_consecutive_nan_steps} must be >= 1")
+    if t.preflight_rounds < 2:
+        out.append(f"trainer.preflight_rounds={t.preflight_rounds} must be >= 2 (the trend compares the first "
+                   f"round with the last)")
     if t.num_threads is not None and t.num_threads < 1:
         out.append(f"trainer.num_threads={t.num_threads} must be >= 1 or null")
 

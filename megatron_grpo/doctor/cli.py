@@ -3,10 +3,16 @@ what this node has; exit 1 when anything blocks the run, 2 for a bad recipe. Wit
 the environment alone (as the embedded default recipe, tiny_cpu, would need it).
 
 The sbatch scripts run it on every node (`srun --ntasks-per-node=1`) with the job's layout
-(--world-size, --ranks-per-node) and the engines' ports (--port) before anything starts."""
+(--world-size, --ranks-per-node) and the engines' ports (--port) before anything starts.
+
+With --mismatch (and no blocker) it then builds the recipe's run and runs the engine-trainer
+preflight (trainer/preflight.py: rounds at learning rate 0, a weight round trip, the trainer and the
+engine against themselves) and prints its table; exit 1 when a figure exceeds its bound. Run it as
+the trainer runs (one process, or under torchrun / srun with the recipe's layout)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import socket
 from typing import Optional, Sequence
 
@@ -31,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--starts-engines", action="store_true",
                         help="the job starts SGLang servers on its nodes (the sbatch scripts), even where the "
                              "recipe gives their URLs")
+    parser.add_argument("--mismatch", action="store_true",
+                        help="then build the run and check the engine against the trainer (the preflight)")
     return parser
 
 
@@ -42,4 +50,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           starts_engines=args.starts_engines)
     findings = check_recipe(config, placement)
     print(render_table(findings, f"megatron-grpo doctor: recipe {args.recipe} on {socket.gethostname()}"), end="")
-    return 1 if blockers(findings) else 0
+    if blockers(findings):
+        return 1
+    if args.mismatch:
+        # the trainer's code, imported only when asked (this package stays light: config and errors)
+        preflight_only = importlib.import_module("megatron_grpo.trainer.preflight").preflight_only
+        return preflight_only(config)
+    return 0

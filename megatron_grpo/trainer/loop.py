@@ -30,6 +30,7 @@ from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.trainer.batches.batching import MicroBatch
 from megatron_grpo.trainer.step.flops import peak_flops_per_device, training_flops
 from megatron_grpo.trainer.state.checkpoint import Checkpointer
+from megatron_grpo.trainer.preflight import check_before_training
 from megatron_grpo.trainer.metrics import MetricsLogger, NullLogger, SinkOptions, plot_reward_curve
 from megatron_grpo.trainer.batches.micro_batches import padding_metrics, plan_micro_batches
 from megatron_grpo.trainer.state.resume import resume
@@ -41,7 +42,7 @@ from megatron_grpo.trainer.signals import StopSignals
 from megatron_grpo.trainer.step.reward_kl import apply_kl_in_reward
 from megatron_grpo.trainer.step.mismatch import MismatchHealth
 from megatron_grpo.trainer.step.train_step import fill_logprobs, holds_distinct_tokens, train_on_mini_batch
-from megatron_grpo.trainer.sync.weight_sync import sync_weights
+from megatron_grpo.trainer.sync.weight_sync import release_engine_for_training, sync_weights
 
 
 def train(cfg: Config) -> Path:
@@ -56,10 +57,13 @@ def train(cfg: Config) -> Path:
     pipeline = None
     try:
         start = resume(run, checkpoints)  # newest complete checkpoint (checkpoint.resume); 0 = fresh
+        preflight = check_before_training(run, version=start) if cfg.trainer.preflight else {}
         sinks = SinkOptions(output_dir=str(out), console=cfg.logging.console, tensorboard=cfg.logging.tensorboard,
                             wandb_project=cfg.logging.project if cfg.logging.wandb else None,
                             wandb_run_name=cfg.logging.experiment_name, run_config=to_dict(cfg))
         logger = rank0_only(MetricsLogger, sinks, run.total_steps, start) or logger  # rank 0's failure stops all
+        if preflight:
+            logger.log(start, preflight)
         if cfg.eval.before_train and start == 0:
             logger.log(0, evaluate_policy(run))
         if cfg.rollout.max_staleness > 0 and run.is_main:
@@ -109,8 +113,7 @@ def grpo_step(run: Run, step: int, pipeline: RolloutPipeline | None = None) -> d
         if outcome.error is not None:
             raise RolloutFailure(str(outcome.error))
         batch = outcome.value
-    if run.is_main and cfg.rollout.engine == "sglang" and cfg.rollout.sglang.weight_sync == "tensor":
-        run.engine.release_memory()  # colocated: give the GPU to training; resumed by the weight sync
+    release_engine_for_training(run)  # colocated SGLang: the GPU to training; resumed by the weight sync
     metrics = dict(batch.metrics)
 
     # 2. old / reference log-probs (forward only, each pass with its own token budget) on the

@@ -5,7 +5,9 @@ blocking HTTP request each; the standard library only). A request that meets a c
 or HTTP 5xx is retried with backoff on the next server, and the failing server is avoided for
 `dead_cooldown_s`; after `retry.max_attempts` tries the error names every URL tried. The set of
 servers can change between calls (`set_urls`): the engine pool takes dead engines out of rotation
-and puts restarted ones back."""
+and puts restarted ones back. SGLang's refusal of a request's sampling mask (protocol.py) is raised
+at once, never retried. Every Sample names the URL that answered it (`Sample.engine`; with a router
+in front, the router's)."""
 from __future__ import annotations
 
 import itertools
@@ -16,7 +18,7 @@ from typing import Any, Sequence
 
 from megatron_grpo.rollout.sglang.errors import SGLangError, SGLangUnavailableError
 from megatron_grpo.rollout.sglang.http_json import RetryPolicy, request_json
-from megatron_grpo.rollout.sglang.protocol import generate_payloads, parse_generate_response
+from megatron_grpo.rollout.sglang.protocol import generate_payloads, parse_generate_response, sampling_mask_error
 from megatron_grpo.rollout.types import GenerationRequest, Sample
 
 
@@ -126,8 +128,11 @@ class SGLangClient:
             tried.append(url)
             try:
                 body = request_json(url, "/generate", payload, timeout_s=self.timeout_s, api_key=self.api_key)
-                return parse_generate_response(body, request, f"{url}/generate", first, count)
+                return parse_generate_response(body, request, f"{url}/generate", first, count, engine=url)
             except SGLangError as exc:
+                refused = sampling_mask_error(exc, request, url) if payload.get("return_sampling_mask") else None
+                if refused is not None:
+                    raise refused from None  # SGLang's limit, not the engine's fault: no retry, no cooldown
                 if not self.retry.retryable(exc):
                     raise
                 errors.append(str(exc))

@@ -1,15 +1,35 @@
-"""SGLang /generate payloads from GenerationRequests, and Samples from its answers (sglang 0.5 schema)."""
+"""SGLang /generate payloads from GenerationRequests, and Samples from its answers (sglang 0.5 schema).
+
+Truncated sampling (top-p / top-k / min-p): the request asks for SGLang's sampling mask
+(`return_sampling_mask`, `sampling_logprobs_mode="selected"`, SGLang 0.5.23), which gives per output
+token the ids the sampler could draw (`meta_info["output_token_sampling_mask"]`) and the log-prob of
+the drawn token in that truncated, renormalised distribution (`["output_token_sampling_logprobs"]`):
+`Sample.behaviour_logprobs`, and `Sample.sampling_support` when the request asks for supports. SGLang
+builds the mask only for top_k == 1 or 1 < top_k <= its --sampling-mask-max-tokens (default 4096;
+anything else is refused with HTTP 400), so without a finite top_k no mask is asked for (and a request
+that needs supports fails here, before anything is sent); a support larger than that cap (ties at the
+cut-off) aborts the request with HTTP 400, which the client reports without retrying
+(`sampling_mask_error`)."""
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any
 
 from megatron_grpo.rollout.sglang.errors import SGLangError
 from megatron_grpo.rollout.types import GenerationRequest, Sample, SamplingParams, derive_sample_seed
 
+log = logging.getLogger(__name__)
+
+# SGLang's default --sampling-mask-max-tokens (sglang/srt/arg_groups/fields/exec_.py): the largest top_k it
+# returns masks for.
+SGLANG_SAMPLING_MASK_MAX_TOKENS = 4096
+_WARNED_NO_MASK: set[str] = set()  # servers already named in the warning of _parse_sampling_mask
+
 
 def sampling_params_payload(params: SamplingParams, n: int, seed: int | None) -> dict[str, Any]:
     payload: dict[str, Any] = {"n": n, "temperature": params.temperature, "top_p": params.top_p,
-                               "top_k": params.top_k, "max_new_tokens": params.max_new_tokens,
+                               "top_k": params.top_k, "min_p": params.min_p, "max_new_tokens": params.max_new_tokens,
                                "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids),
                                "ignore_eos": params.ignore_eos}
     if seed is not None:
@@ -26,10 +46,54 @@ def generate_payloads(request: GenerationRequest) -> list[tuple[int, dict[str, A
     batched alternative (a list of sampling_params: 422)."""
     params = request.sampling
     base = {"input_ids": list(request.prompt_ids), "return_logprob": True, "logprob_start_len": -1}
+    if wants_sampling_mask(request):
+        base.update(return_sampling_mask=True, sampling_logprobs_mode="selected")
     if params.seed is None:
         return [(0, {**base, "sampling_params": sampling_params_payload(params, params.n, None)})]
     return [(j, {**base, "sampling_params": sampling_params_payload(params, 1, derive_sample_seed(params.seed, j))})
             for j in range(params.n)]
+
+
+def wants_sampling_mask(request: GenerationRequest) -> bool:
+    """Whether to ask SGLang for each token's sampling support and behaviour log-prob.
+
+    Truncated sampling with a finite top_k asks (for the behaviour log-probs; only up to SGLang's
+    default cap unless the request needs supports: a server with the default cap would refuse the
+    whole request); greedy asks when supports are needed (SGLang samples it as top_k=1: the support
+    is the token). A request that needs supports without a finite top_k cannot get them: SGLangError."""
+    params = request.sampling
+    if not (params.truncated or request.return_support):
+        return False
+    if params.greedy:
+        return True
+    if params.top_k == -1:
+        if request.return_support:
+            raise SGLangError(
+                f"request {request.group_id!r} needs each token's sampling support (rollout.sampling_replay), but "
+                f"samples with top_k=-1: SGLang returns supports (return_sampling_mask) only for a finite top_k <= "
+                f"its --sampling-mask-max-tokens (default {SGLANG_SAMPLING_MASK_MAX_TOKENS}); set rollout.top_k to a "
+                f"finite value <= {SGLANG_SAMPLING_MASK_MAX_TOKENS}, or rollout.sampling_replay=off")
+        return False
+    return request.return_support or params.top_k <= SGLANG_SAMPLING_MASK_MAX_TOKENS
+
+
+def sampling_mask_error(error: SGLangError, request: GenerationRequest, url: str) -> SGLangError | None:
+    """SGLang's refusal of a request's sampling mask (HTTP 400: top_k outside what it can mask, or a
+    support larger than --sampling-mask-max-tokens; 500: the sampler's support was unusable) as
+    one clear error, or None for any other error. Not retried: the same request on another engine
+    meets the same limit, and the engine is not at fault."""
+    text = str(error)
+    if error.status not in (400, 500) or not any(key in text.lower() for key in ("sampling support",
+                                                                                   "return_sampling_mask")):
+        return None
+    hint = ("lower rollout.top_k (ties at the cut-off can widen a support past it), raise the servers' "
+            "--sampling-mask-max-tokens, or set rollout.sampling_replay=off" if "exceeds" in text
+            else "set rollout.top_k to a finite value <= the servers' --sampling-mask-max-tokens "
+                 f"(default {SGLANG_SAMPLING_MASK_MAX_TOKENS}), or rollout.sampling_replay=off"
+            if error.status == 400 else "this is an SGLang sampler error, not a setting")
+    return SGLangError(f"{url}/generate refused the sampling mask of request {request.group_id!r} "
+                       f"(top_k={request.sampling.top_k}, top_p={request.sampling.top_p}, "
+                       f"min_p={request.sampling.min_p}): {hint}. SGLang said: {text}", url, error.status)
 
 
 def parse_weight_version(value: Any, where: str) -> int:
@@ -44,16 +108,18 @@ def parse_weight_version(value: Any, where: str) -> int:
 
 
 def parse_generate_response(body: Any, request: GenerationRequest, where: str, first_index: int = 0,
-                            count: int | None = None) -> list[Sample]:
-    """Samples `first_index .. first_index + count - 1` of `request` from one /generate answer."""
+                            count: int | None = None, engine: str = "") -> list[Sample]:
+    """Samples `first_index .. first_index + count - 1` of `request` from one /generate answer;
+    `engine` (the server's URL) goes into each Sample."""
     count = request.sampling.n if count is None else count
     items = body if isinstance(body, list) else [body]
     if len(items) != count:
         raise SGLangError(f"{where}: expected {count} outputs for request {request.group_id!r}, got {len(items)}")
-    return [_parse_item(item, request, first_index + j, where) for j, item in enumerate(items)]
+    mask = wants_sampling_mask(request)
+    return [_parse_item(item, request, first_index + j, where, engine, mask) for j, item in enumerate(items)]
 
 
-def _parse_item(item: Any, request: GenerationRequest, index: int, where: str) -> Sample:
+def _parse_item(item: Any, request: GenerationRequest, index: int, where: str, engine: str, mask: bool) -> Sample:
     try:
         meta = item["meta_info"]
         output_ids = [int(t) for t in item["output_ids"]]
@@ -73,7 +139,58 @@ def _parse_item(item: Any, request: GenerationRequest, index: int, where: str) -
             raise SGLangError(f"{where}: output_token_logprobs[{position}] is for token {row[1]}, output_ids has "
                               f"{token} ({request.group_id!r})")
         logprobs.append(float(row[0]))
+    behaviour, support = (_parse_sampling_mask(meta, output_ids, request, where, finish_type == "abort")
+                          if mask else (None, None))
     return Sample(group_id=request.group_id, sample_index=index, prompt_ids=list(request.prompt_ids),
                   response_ids=output_ids, logprobs=logprobs, finish_reason=finish_type,
                   weight_version=parse_weight_version(meta.get("weight_version"), where),
-                  matched_stop=finish.get("matched") if isinstance(finish, dict) else None)
+                  matched_stop=finish.get("matched") if isinstance(finish, dict) else None,
+                  behaviour_logprobs=behaviour, sampling_support=support, engine=engine)
+
+
+def _parse_sampling_mask(meta: dict, output_ids: list[int], request: GenerationRequest, where: str,
+                         aborted: bool) -> tuple[list[float] | None, list[list[int]] | None]:
+    """(behaviour log-probs, supports or None) from SGLang's sampling-mask fields.
+
+    They are missing where a request was aborted in SGLang's queue (its samples are dropped or
+    resubmitted anyway), and where the server is older than SGLang 0.5.23 or a router in front of
+    it drops `return_sampling_mask` (sglang-router 0.3.2 does): a request that needs supports then
+    fails; otherwise its behaviour log-probs are unknown (None, with one warning per server)."""
+    values = meta.get("output_token_sampling_logprobs")
+    masks = meta.get("output_token_sampling_mask")
+    if values is None and masks is None:
+        if aborted or not output_ids:
+            return None, None
+        if request.return_support:
+            raise SGLangError(f"{where}: no output_token_sampling_mask for {request.group_id!r} although it asked "
+                              f"for one (return_sampling_mask): the server is older than SGLang 0.5.23, or a router "
+                              f"in front of it drops the field (sglang-router 0.3.2 does): send /generate to the "
+                              f"engines directly (rollout.sglang.router=false), or set rollout.sampling_replay=off")
+        if where not in _WARNED_NO_MASK:
+            _WARNED_NO_MASK.add(where)
+            log.warning("%s answers without sampling masks (an SGLang older than 0.5.23, or a router that drops "
+                        "return_sampling_mask): the behaviour log-probs of its truncated samples are unknown, "
+                        "their full-distribution log-probs stand in", where)
+        return None, None
+    if not isinstance(values, list) or not isinstance(masks, list):
+        raise SGLangError(f"{where}: malformed output_token_sampling_logprobs / output_token_sampling_mask for "
+                          f"{request.group_id!r}: {type(values).__name__} / {type(masks).__name__}")
+    if len(values) != len(output_ids) or len(masks) != len(output_ids):
+        raise SGLangError(f"{where}: {len(output_ids)} output_ids but {len(values)} output_token_sampling_logprobs "
+                          f"and {len(masks)} output_token_sampling_mask rows for {request.group_id!r}")
+    behaviour = []
+    for position, value in enumerate(values):  # sampling_logprobs_mode="selected": one number per token
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value > 0:
+            raise SGLangError(f"{where}: output_token_sampling_logprobs[{position}] = {value} for "
+                              f"{request.group_id!r} is not a log-probability")
+        behaviour.append(float(value))
+    if not request.return_support:
+        return behaviour, None
+    supports = []
+    for position, (row, token) in enumerate(zip(masks, output_ids)):
+        ids = [int(t) for t in row]
+        if token not in ids:
+            raise SGLangError(f"{where}: output_token_sampling_mask[{position}] ({len(ids)} ids) does not contain "
+                              f"the sampled token {token} ({request.group_id!r})")
+        supports.append(ids)
+    return behaviour, supports

@@ -24,6 +24,14 @@ from megatron_grpo.trainer.sync.stage_sync import StageSync
 log = logging.getLogger(__name__)
 
 
+def release_engine_for_training(run) -> None:
+    """Colocated SGLang engines (weight_sync=tensor) give the GPU to training after a rollout; the
+    next sync resumes them."""
+    cfg = run.config
+    if run.is_main and cfg.rollout.engine == "sglang" and cfg.rollout.sglang.weight_sync == "tensor":
+        run.engine.release_memory()
+
+
 def sync_weights(run, version: int, attempts: int = 2) -> dict[str, float]:
     """Pushes the policy as weight version `version`; returns the engine's sync metrics (rank 0).
     One attempt failing with an engine's known error (_SyncFailure, on every rank) is retried."""
