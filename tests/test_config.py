@@ -641,3 +641,25 @@ def test_sampling_replay_follows_truncation_and_the_engine():
                    "rollout.sampling_replay=off"))
     with pytest.raises(ConfigError, match="not supported with rollout.multi_turn"):
         validate(valid("rollout.top_k=20", "rollout.multi_turn.environment=lookup"))
+
+
+def test_off_policy_correction_defaults_to_token_tis_when_rollouts_run_ahead():
+    """actor.off_policy.is_level=auto: token TIS exactly when max_staleness > 0 and nothing else
+    corrects; null is off at any K; what auto chose is printed by `config show`."""
+    from megatron_grpo.config.derived import implied_settings
+    from megatron_grpo.trainer.loop import grpo_loss_config
+
+    def level(*overrides):
+        return grpo_loss_config(valid(*overrides)).off_policy.is_level
+
+    assert level() is None
+    assert level("rollout.max_staleness=1") == "token"
+    assert level("rollout.max_staleness=2", "actor.off_policy.is_cap=3.0") == "token"
+    assert level("rollout.max_staleness=1", "actor.off_policy.is_level=null") is None
+    assert level("rollout.max_staleness=1", "actor.tis_cap=2.0") is None  # tis_cap is token TIS itself
+    assert level("rollout.max_staleness=1", "actor.off_policy.rs_level=token") is None
+    assert level("rollout.max_staleness=1", "actor.off_policy.objective=behaviour") is None
+    assert level("rollout.max_staleness=1", "actor.off_policy.is_level=sequence") == "sequence"
+    assert any("is_level=auto: token-level truncated IS" in line
+               for line in implied_settings(valid("rollout.max_staleness=1")))
+    validate(valid("rollout.max_staleness=1", "actor.tis_cap=2.0"))  # auto does not clash with tis_cap

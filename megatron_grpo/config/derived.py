@@ -46,6 +46,11 @@ def implied_settings(cfg: Config) -> list[str]:
     if staleness:
         lines.append(f"rollout.max_staleness={staleness}: rollouts of the next steps run during training; no sample "
                      f"trains more than {staleness} weight version(s) after the one that generated it")
+        off_policy = cfg.actor.off_policy
+        if off_policy.is_level == "auto":
+            level = off_policy.resolve(staleness, cfg.actor.tis_cap).is_level
+            lines.append(f"actor.off_policy.is_level=auto: {'token-level truncated IS' if level else 'none'} "
+                         f"(auto = token TIS when max_staleness > 0 and no other correction is set; null = off)")
     else:
         lines.append("rollout.max_staleness=0: on-policy, generate -> train -> sync, step after step")
     if r.engine == "local":

@@ -3,6 +3,7 @@ recipe schema types `actor.off_policy` with it, validation reports its problems,
 algo/off_policy.py computes the weights from it (see there for the definitions and sources)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -64,3 +65,24 @@ class OffPolicyConfig:
         problems = self.problems(key)
         if problems:
             raise ConfigError("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class OffPolicySection(OffPolicyConfig):
+    """The recipe's actor.off_policy: OffPolicyConfig whose is_level defaults to `auto`, resolved
+    per run by `resolve`: token-level truncated IS whenever rollouts run ahead of training
+    (rollout.max_staleness > 0) and no other correction is set, else none. Why token TIS: on the
+    embedded default at K = 1, no correction ends at reward 0.66 and token TIS at 0.995 (as the
+    synchronous run), masked token IS at 0.72 (docs/async.md). null turns it off explicitly."""
+
+    is_level: Optional[Literal["auto", "token", "sequence"]] = "auto"
+
+    def resolve(self, max_staleness: int, tis_cap: Optional[float]) -> OffPolicyConfig:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(OffPolicyConfig)}
+        if self.is_level == "auto":
+            other = tis_cap is not None or self.rs_level is not None or self.objective == "behaviour"
+            values["is_level"] = "token" if max_staleness > 0 and not other else None
+        return OffPolicyConfig(**values)
+
+    def problems(self, key: str = "actor.off_policy") -> list[str]:
+        return self.resolve(1, None).problems(key) if self.is_level == "auto" else super().problems(key)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from megatron_grpo.config.coerce import ONE_OR_MORE
-from megatron_grpo.config.off_policy import OffPolicyConfig
+from megatron_grpo.config.off_policy import OffPolicySection
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -260,7 +260,8 @@ class ActorConfig:
     # MoE rollout routing replay (R3): the trainer's forward uses the experts the engine routed each
     # token to (gate weights from the trainer's router; models/routing_replay.py). verl: router_replay.mode=R3
     moe_routing_replay: bool = False
-    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
+    # is_level auto (the default): token-level truncated IS when rollout.max_staleness > 0 (config/off_policy.py)
+    off_policy: OffPolicySection = field(default_factory=OffPolicySection)
     grad_clip: Optional[float] = 1.0  # None = no clipping
     optim: OptimConfig = field(default_factory=OptimConfig)
 

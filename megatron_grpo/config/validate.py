@@ -330,7 +330,7 @@ def _actor(c: Config, out: list[str]) -> None:
 def _off_policy(c: Config, out: list[str]) -> None:
     o = c.actor.off_policy
     out.extend(o.problems("actor.off_policy"))
-    if o.is_level is not None and c.actor.tis_cap is not None:
+    if o.is_level not in (None, "auto") and c.actor.tis_cap is not None:
         out.append("actor.tis_cap and actor.off_policy.is_level are both set: actor.tis_cap is token-level "
                    "truncated IS (actor.off_policy.is_level=token, is_cap); set one")
     if c.parallel.context > 1 and (o.is_level == "sequence" or o.rs_level in ("sequence", "geometric")):

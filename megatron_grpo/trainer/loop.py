@@ -217,7 +217,7 @@ def grpo_loss_config(cfg: Config) -> GRPOLossConfig:
         policy_loss=a.policy_loss.loss_mode,
         policy_clip=PolicyClipConfig(clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
                                      clip_ratio_c=a.clip_ratio_c, tis_cap=a.tis_cap),
-        off_policy=a.off_policy,
+        off_policy=a.off_policy.resolve(cfg.rollout.max_staleness, a.tis_cap),
         loss_agg_mode=a.loss_agg_mode, use_kl_loss=a.use_kl_loss and a.kl_loss_coef != 0, kl_loss_coef=a.kl_loss_coef,
         kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff)
 
