@@ -4,10 +4,14 @@ Each configuration trains `recipes/tiny_cpu.yaml` (same seed, same steps) throug
     sync             rollout.max_staleness=0 (the on-policy loop: generate, train, sync)
     sync, engine process   the same loop with the local engine in its own process (control)
     async K=1, K=2   rollout.max_staleness=K: the engine's process generates the next batches while
-                     the trainer trains (trainer/rollouts/rollout_pipeline.py)
+                     the trainer trains (trainer/rollouts/rollout_pipeline.py), with the default
+                     off-policy correction (actor.off_policy.is_level=auto: token TIS when K > 0)
+    ..., no correction   the same with actor.off_policy.is_level=null
 and reports wall-clock and samples until the mean reward reaches --target (a 5-step moving average of
-reward/mean, so one lucky batch does not count), tokens/s over the run, and the peak RSS of the
-process tree (trainer + engine process). The reward curves go to one PNG.
+reward/mean, so one lucky batch does not count), tokens/s over the run, the peak RSS of the
+process tree (trainer + engine process), and the engine-vs-trainer mismatch of the samples one
+version stale (mismatch/staleness_1/*: p99 |log-prob difference| and the fraction of ratios
+outside [0.9, 1.1], averaged over steps). The reward curves go to one PNG.
 
     python benchmarks/bench_async.py --out build/bench_async [--seeds 1 2] [--steps 150]
 """
@@ -29,11 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {
     "sync": ["rollout.max_staleness=0"],
     "sync, engine process": ["rollout.max_staleness=0", "rollout.local.process=true"],
+    # the default correction at K > 0 (actor.off_policy.is_level=auto): token-level truncated IS
     "async K=1": ["rollout.max_staleness=1"],
+    "async K=1, no correction": ["rollout.max_staleness=1", "actor.off_policy.is_level=null"],
     "async K=2": ["rollout.max_staleness=2"],
-    # the same with an off-policy correction against the engine's log-probs (algo/off_policy.py)
-    "async K=1, token TIS": ["rollout.max_staleness=1", "actor.off_policy.is_level=token"],
-    "async K=2, token TIS": ["rollout.max_staleness=2", "actor.off_policy.is_level=token"],
+    "async K=2, no correction": ["rollout.max_staleness=2", "actor.off_policy.is_level=null"],
     "async K=1, token mask": ["rollout.max_staleness=1", "actor.off_policy.rs_level=token"],
 }
 WINDOW = 5
@@ -51,6 +55,8 @@ class Result:
     peak_rss_mib: float
     dropped_stale: float
     staleness_mean: float
+    stale_p99: float | None  # mean over steps of mismatch/staleness_1/abs_logp_diff_p99 (None: no such samples)
+    stale_outside: float | None  # ... of mismatch/staleness_1/ratio_outside_frac
 
 
 def _peak_rss(proc: subprocess.Popen, peak: list[float], stop: threading.Event) -> None:
@@ -93,7 +99,14 @@ def run_one(name: str, overrides: list[str], seed: int, steps: int, out: Path, t
                   tokens_per_s=tokens / wall, final_reward=sum(r["reward/mean"] for r in train[-10:]) / 10,
                   peak_rss_mib=peak[0] / 2**20,
                   dropped_stale=sum(r.get("rollout/dropped_stale", 0.0) for r in train),
-                  staleness_mean=sum(r.get("staleness/mean", 0.0) for r in train) / len(train))
+                  staleness_mean=sum(r.get("staleness/mean", 0.0) for r in train) / len(train),
+                  stale_p99=_mean_of(train, "mismatch/staleness_1/abs_logp_diff_p99"),
+                  stale_outside=_mean_of(train, "mismatch/staleness_1/ratio_outside_frac"))
+
+
+def _mean_of(records: list[dict], key: str) -> float | None:
+    values = [r[key] for r in records if key in r]
+    return sum(values) / len(values) if values else None
 
 
 def _samples_per_step(overrides: list[str]) -> int:
@@ -107,8 +120,9 @@ def _table(results: list[Result], target: float) -> str:
     sync = {r.seed: r for r in results if r.name == "sync"}
     lines = [f"| configuration | seed | time to {target} | speed vs sync | samples to {target} | vs sync "
              "| tokens/s | vs sync "
-             "| last-10 reward | peak RSS | mean staleness | dropped stale |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| last-10 reward | peak RSS | mean staleness | dropped stale "
+             "| staleness 1: p99 abs log-prob diff | staleness 1: ratio outside [0.9, 1.1] |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         base = sync[r.seed]
         speed = (f"{base.time_to_target_s / r.time_to_target_s:.2f}x"
@@ -120,7 +134,9 @@ def _table(results: list[Result], target: float) -> str:
             f"| {speed} "
             f"| {r.samples_to_target or 'not reached'} | {samples} | {r.tokens_per_s:,.0f} "
             f"| {r.tokens_per_s / base.tokens_per_s:.2f}x | {r.final_reward:.3f} | {r.peak_rss_mib:,.0f} MiB "
-            f"({r.peak_rss_mib / base.peak_rss_mib:.2f}x) | {r.staleness_mean:.2f} | {r.dropped_stale:.0f} |")
+            f"({r.peak_rss_mib / base.peak_rss_mib:.2f}x) | {r.staleness_mean:.2f} | {r.dropped_stale:.0f} "
+            f"| {'-' if r.stale_p99 is None else f'{r.stale_p99:.3f}'} "
+            f"| {'-' if r.stale_outside is None else f'{r.stale_outside:.1%}'} |")
     return "\n".join(lines)
 
 

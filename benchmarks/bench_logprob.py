@@ -12,8 +12,13 @@ Methods (each: logp of random targets, loss = sum, backward to the inputs):
   (c+H) ours+ent   ops.vocab_parallel.vocab_parallel_logprobs_and_entropy (loss = sum logp + sum H)
   (d0)  head+ours  logits = hidden @ weight.T, then (c): the unfused reference for (d)
   (d)   fused      ops.fused_head.fused_head_logprobs (hidden [T, H], weight shard [V/tp, H])
-(a)-(c+H) take a bf16 logit shard [T, V/tp] as input; (d0) and (d) take hidden and weight, so their
-times include the head matmuls (forward, recompute and two backward matmuls for (d)).
+  (r20), (r4k)     sampling replay: ops.support_logprobs.vocab_parallel_support_logprobs_and_entropy
+                   over a support of 20 ids per token (top_k=20) or 4096 (SGLang's largest mask);
+                   compare with (c+H), the full-vocabulary pass it replaces
+  (h16), (h32)     the LM head + (c+H): logits = hidden @ weight.T in bf16, or in fp32
+                   (model.fp32_lm_head: hidden and weight upcast, fp32 logits)
+(a)-(c+H), (r*) take a bf16 logit shard [T, V/tp] as input; (d0), (d), (h*) take hidden and weight,
+so their times include the head matmuls (forward, recompute and two backward matmuls for (d)).
 
 How memory is measured: every (method, T, TP) runs in fresh processes (one per TP rank, forked
 from a server that only imported torch/megatron). After the inputs exist, a rank records its
@@ -42,6 +47,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_grpo.ops.fused_head import fused_head_logprobs  # noqa: E402
+from megatron_grpo.ops.support_logprobs import vocab_parallel_support_logprobs_and_entropy  # noqa: E402
 from megatron_grpo.ops.vocab_parallel import (vocab_parallel_logprobs,  # noqa: E402
                                               vocab_parallel_logprobs_and_entropy)
 from megatron_grpo.testing.distributed import run_distributed  # noqa: E402
@@ -53,7 +59,12 @@ METHODS = {
     "cH": "(c+H) ours: logprobs_and_entropy",
     "d0": "(d0) head matmul + (c)",
     "d": "(d) fused head",
+    "r20": "(r20) replay: support of 20 (+H)",
+    "r4k": "(r4k) replay: support of 4096 (+H)",
+    "h16": "(h16) bf16 head + (c+H)",
+    "h32": "(h32) fp32 head + (c+H)",
 }
+SUPPORT = {"r20": 20, "r4k": 4096}
 GIB = 1 << 30
 
 
@@ -135,14 +146,23 @@ def _make_inputs(cfg: Config, tp_rank: int, device: torch.device):
     gen = torch.Generator(device=device).manual_seed(1234)
     local = padded_vocab(cfg.vocab, cfg.tp) // cfg.tp
     targets = torch.randint(0, cfg.vocab, (cfg.tokens,), generator=gen, device=device)
-    if cfg.method in ("d0", "d"):
+    if cfg.method in SUPPORT:
+        # distinct ids per token (a random offset, stride 37 < V / K), the target among them
+        k = SUPPORT[cfg.method]
+        offsets = torch.randint(0, cfg.vocab, (cfg.tokens, 1), generator=gen, device=device)
+        support = (offsets + 37 * torch.arange(k, device=device)) % cfg.vocab
+        targets = support[:, 0].clone()
+    if cfg.method in ("d0", "d", "h16", "h32"):
         hidden = torch.empty(cfg.tokens, cfg.hidden, dtype=torch.bfloat16, device=device).normal_(generator=gen)
         weight = torch.empty(local, cfg.hidden, dtype=torch.bfloat16, device=device)
         weight.normal_(std=cfg.hidden ** -0.5, generator=gen)
         return dict(hidden=hidden.requires_grad_(), weight=weight.requires_grad_(), targets=targets)
     # generated in bf16 directly (no transient fp32 copy), shard by shard the same on every rank
     logits = torch.empty(cfg.tokens, local, dtype=torch.bfloat16, device=device).normal_(std=2.0, generator=gen)
-    return dict(logits=logits.requires_grad_(), targets=targets)
+    inputs = dict(logits=logits.requires_grad_(), targets=targets)
+    if cfg.method in SUPPORT:
+        inputs["support"] = support.to(torch.int32)
+    return inputs
 
 
 def _step(cfg: Config, inputs: dict) -> None:
@@ -169,6 +189,17 @@ def _step(cfg: Config, inputs: dict) -> None:
     elif cfg.method == "d":
         loss = fused_head_logprobs(inputs["hidden"], inputs["weight"], t, vocab_size=cfg.vocab,
                                    chunk_size=cfg.chunk_size).sum()
+    elif cfg.method in SUPPORT:
+        logp, entropy = vocab_parallel_support_logprobs_and_entropy(inputs["logits"], t, inputs["support"],
+                                                                    vocab_size=cfg.vocab, chunk_size=cfg.chunk_size)
+        loss = logp.sum() + entropy.sum()
+    elif cfg.method in ("h16", "h32"):
+        hidden, weight = inputs["hidden"], inputs["weight"]
+        if cfg.method == "h32":
+            hidden, weight = hidden.float(), weight.float()
+        logp, entropy = vocab_parallel_logprobs_and_entropy(hidden @ weight.t(), t, vocab_size=cfg.vocab,
+                                                            chunk_size=cfg.chunk_size)
+        loss = logp.sum() + entropy.sum()
     else:
         raise ValueError(f"unknown method {cfg.method!r}; expected one of {sorted(METHODS)}")
     loss.backward()
@@ -176,7 +207,8 @@ def _step(cfg: Config, inputs: dict) -> None:
 
 def _clear_grads(inputs: dict) -> None:
     for v in inputs.values():
-        v.grad = None
+        if v.is_floating_point():
+            v.grad = None
 
 
 def _sync(device: torch.device) -> None:
@@ -225,6 +257,10 @@ def predicted_bytes(cfg: Config) -> int:
         "cH": 5 * shard,
         "d0": 7 * shard + 8 * cfg.hidden * shard // cfg.tokens,
         "d": 8 * cfg.hidden * shard // cfg.tokens + 8 * cfg.tokens * cfg.hidden + (1 << 30),
+        "r20": 5 * shard + 30 * cfg.tokens * 20,
+        "r4k": 5 * shard + 30 * cfg.tokens * 4096,
+        "h16": 9 * shard + 8 * cfg.hidden * shard // cfg.tokens,
+        "h32": 15 * shard + 16 * cfg.hidden * shard // cfg.tokens,
     }[cfg.method]
     return cfg.tp * (per_rank + 600 * 1024 ** 2)  # + the interpreter with torch and megatron imported
 
@@ -255,12 +291,16 @@ def _ratio(value, base) -> str:
 
 
 def markdown_table(results: list[Result]) -> str:
-    lines = ["| TP | T | method | peak extra (GiB) | vs (a) | time fwd+bwd (s) | vs (a) |",
+    lines = ["| TP | T | method | peak extra (GiB) | vs (a)* | time fwd+bwd (s) | vs (a)* |",
              "|---:|---:|:---|---:|---:|---:|---:|"]
     baseline = {(r.config.tp, r.config.tokens): r for r in results if r.config.method == "a"}
     for r in results:
         c = r.config
         base = baseline.get((c.tp, c.tokens))
+        if base is None:  # without (a): each method against the pass it replaces or extends
+            reference = {"r20": "cH", "r4k": "cH", "h32": "h16"}.get(c.method)
+            base = next((o for o in results if o.config.method == reference and o.config.tp == c.tp
+                         and o.config.tokens == c.tokens), None)
         if r.skipped:
             lines.append(f"| {c.tp} | {c.tokens} | {METHODS[c.method]} | skipped: {r.skipped} | | | |")
             continue
@@ -316,6 +356,7 @@ def main(argv=None) -> list[Result]:
     print(f"\nV={args.vocab} (padded to 128*TP), bf16 logits, H={args.hidden} for (d0)/(d), {device_note}, "
           f"median of {args.repeats} timed run(s)\n")
     print(markdown_table(results))
+    print("\n* against (a) where it ran; otherwise (r20), (r4k) against (c+H), (h32) against (h16)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)

@@ -126,6 +126,8 @@ def test_bench_async_compares_sync_and_async_runs(tmp_path):
     for r in results.values():  # target 0: reached at the first full moving-average window
         assert r["samples_to_target"] == 5 * 32 * 16 and r["tokens_per_s"] > 0 and r["peak_rss_mib"] > 50
     assert results["sync"]["staleness_mean"] == 0 and 0 < results["async K=1"]["staleness_mean"] <= 1
+    # the mismatch of the stale samples (mismatch/staleness_1/*): none in the synchronous run
+    assert results["sync"]["stale_p99"] is None and results["async K=1"]["stale_p99"] > 0
     assert "| async K=1 | 1 |" in proc.stdout and (tmp_path / "async_reward_curves.png").stat().st_size > 0
 
 

@@ -641,6 +641,12 @@ def test_sampling_replay_follows_truncation_and_the_engine():
                    "rollout.sampling_replay=off"))
     with pytest.raises(ConfigError, match="not supported with rollout.multi_turn"):
         validate(valid("rollout.top_k=20", "rollout.multi_turn.environment=lookup"))
+    # sglang-router 0.3.2 drops return_sampling_mask; SGLang's deterministic sampler dies on min_p
+    with pytest.raises(ConfigError, match="the router drops return_sampling_mask"):
+        validate(valid("rollout.engine=sglang", "rollout.top_k=20", "rollout.sglang.router=true"))
+    with pytest.raises(ConfigError, match="rollout.min_p=0.1 with rollout.sglang.deterministic_inference=true"):
+        validate(valid("rollout.engine=sglang", "rollout.top_k=20", "rollout.min_p=0.1",
+                       "rollout.sglang.deterministic_inference=true"))
 
 
 def test_off_policy_correction_defaults_to_token_tis_when_rollouts_run_ahead():

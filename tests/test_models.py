@@ -154,3 +154,49 @@ def test_bf16_build(hf_models, hf_logits):
     ref = hf_logits["llama"]
     assert exported_dtype == torch.bfloat16
     assert np.abs(logits - ref).max() / np.abs(ref).max() < 5e-2  # bf16 weights and activations
+
+
+def _fp32_head(rank, world_size, path):
+    from megatron_grpo.convert import load_hf_weights
+    from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
+    from megatron_grpo.models import build_model, unwrap
+
+    initialize_model_parallel(ParallelLayout())
+    cfg = ModelArchitecture.from_hf(path, vocab_multiple=8)
+    tokens = _tokens(cfg.vocab_size)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+    out = {}
+    for fp32_head in (False, True):
+        (chunk,) = build_model(cfg, dtype=torch.bfloat16, fp32_lm_head=fp32_head)
+        load_hf_weights([chunk], cfg, path)
+        head = unwrap(chunk).output_layer
+        seen = {}
+        head.register_forward_hook(lambda module, args, output, seen=seen: seen.update(hidden=args[0]))
+        logits = chunk(tokens, positions, None)
+        weight = unwrap(chunk).shared_embedding_or_output_weight()
+        exact = (seen["hidden"].float() @ weight.float().t()).transpose(0, 1)  # [s, b, V] -> [b, s, V]
+        logits.float().sum().backward()
+        out[fp32_head] = dict(err=float((logits.float() - exact).abs().max()), weight_dtype=weight.dtype,
+                              grad=weight.main_grad if hasattr(weight, "main_grad") else weight.grad)
+    return {k: dict(err=v["err"], weight_dtype=v["weight_dtype"], grad_dtype=v["grad"].dtype,
+                    grad_finite=bool(v["grad"].float().isfinite().all())) for k, v in out.items()}
+
+
+@pytest.mark.slow
+def test_fp32_lm_head_computes_the_head_in_fp32(hf_models):
+    """model.fp32_lm_head: in a bf16 model the output layer's matmul runs in fp32 (its logits are
+    exactly fp32(hidden) @ fp32(weight)), the weight stays bf16 and its gradient reaches it; without
+    it the logits carry bf16 rounding. The local engine's HF model does the same."""
+    from megatron_grpo.rollout.local import LocalEngine
+
+    result = run_distributed(_fp32_head, 1, args=(hf_models["qwen3"],), timeout=300)[0]
+    assert result[True]["err"] == 0.0
+    assert result[False]["err"] > 1e-3  # bf16 logits: rounded
+    for side in result.values():
+        assert side["weight_dtype"] == torch.bfloat16 and side["grad_finite"]
+    engine = LocalEngine.from_pretrained(hf_models["qwen3"], dtype=torch.bfloat16, fp32_lm_head=True)
+    head = engine.model.get_output_embeddings()
+    hidden = torch.randn(2, 3, head.weight.shape[1], dtype=torch.bfloat16)
+    logits = head(hidden)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, torch.nn.functional.linear(hidden.float(), head.weight.float()))

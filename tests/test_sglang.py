@@ -309,7 +309,9 @@ def test_distributed_transport_opens_the_weight_update_session(servers):
     model = tiny_model(seed=1, scale=3.0)
     engine.update_weights(hf_stream(model), version=7)
     assert engine.last_sync.num_buckets > 3 and engine.last_sync.num_tensors == len(model.state_dict())
-    assert engine.sync_metrics()["sync/verified"] == 1.0 and engine.sync_metrics()["sync/verified_tensors"] > 0
+    # verified by checksums; SGLang's Qwen3 has no get_weights_by_name, so no tensor by value (as on a real
+    # server; Llama's value check: tests/test_sglang_sampling_mask.py)
+    assert engine.sync_metrics()["sync/verified"] == 1.0 and engine.sync_metrics()["sync/verified_tensors"] == 0
     assert_engine_holds(servers["det"], model, 7)
     assert_engine_holds(servers["tp2"], model, 7, tp_size=2)
     transport.close()
@@ -357,8 +359,8 @@ def test_colocated_release_then_update_resumes_only_released_tags(servers):
     engine = SGLangEngine(client, TensorTransport(client, [EngineTarget(url, tp_size=2)], bucket_bytes=100 * 1024),
                           options=NO_PROBE)
     engine.release_memory()  # the trainer runs; SGLang drops the weights' contents (zeroed here)
-    zeroed = request_json(url, "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 3})
-    assert zeroed == [0.0, 0.0, 0.0]
+    zeroed = request_json(url, "/weights_checker", {"action": "checksum"})["ranks"]
+    assert all(rank["checksums"]["model.norm.weight"] == sglang_checksum(torch.zeros(64)) for rank in zeroed)
     model = tiny_model(seed=3, scale=3.0)
     engine.update_weights(hf_stream(model), version=10)  # weights first, the rest after the push
     assert engine.last_sync.num_buckets > 1
@@ -461,33 +463,21 @@ def test_async_generate_resubmits_groups_a_weight_update_aborted(servers):
     assert_engine_holds(url, model, 16)
 
 
-def test_verification_names_a_tensor_the_engine_skipped(servers):
-    """SGLang's load_weights skips names it does not know without an error: verification catches it."""
-    url = servers["det"]
-    client = SGLangClient([url])
-    engine = SGLangEngine(client, DistributedTransport(client, [EngineTarget(url)], "127.0.0.1", 0,
-                                                       group_name="test-verify", backend="gloo", timeout_s=60),
-                          options=NO_PROBE)
-    engine.transport.connect()
-    model = tiny_model(seed=9, scale=3.0)
-    renamed = ((name.replace("model.norm.weight", "model.final_norm.weight"), t) for name, t in hf_stream(model))
-    with pytest.raises(WeightVerificationError, match=rf"{url} has no parameter 'model.final_norm.weight'"):
-        engine.update_weights(renamed, version=16)
-    engine.transport.close()
-
-
 def test_verification_names_engines_that_disagree(servers):
-    """An engine that missed an update disagrees with the others on /weights_checker checksums."""
+    """An engine that missed an update disagrees with the others on /weights_checker checksums. Qwen3
+    in SGLang has no get_weights_by_name (HTTP 400), so the value check is reported unavailable and
+    the checksums are what catch it (values on Llama: tests/test_sglang_sampling_mask.py)."""
     client = SGLangClient([servers["det"], servers["plain"]], api_key="s3cret")
+    with pytest.raises(SGLangError, match=r"HTTP 400: .*Get parameter by name failed") as unavailable:
+        client.call(servers["det"], "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 2})
+    assert unavailable.value.status == 400
     model = tiny_model(seed=10, scale=3.0)
     sample = WeightSample()
     update_weights(client, TensorTransport(client, [EngineTarget(servers["det"])]), sample.tap(hf_stream(model)), 17)
-    assert verify_engines(client, [EngineTarget(servers["det"])], sample).value_checked == len(sample.tensors)
+    assert verify_engines(client, [EngineTarget(servers["det"])], sample).value_checked == 0
     both = [EngineTarget(servers["det"]), EngineTarget(servers["plain"])]
-    with pytest.raises(WeightVerificationError, match=rf"{servers['plain']} holds different values"):
-        verify_engines(client, both, sample)  # by value, where the engine's model can answer
     with pytest.raises(WeightVerificationError, match=rf"engines {servers['det']} and {servers['plain']} disagree"):
-        verify_engines(client, both, WeightSample())  # by checksum only, as for Qwen3 on a real SGLang
+        verify_engines(client, both, sample)
 
 
 def test_pool_takes_a_dead_engine_out_and_stops_below_min_engines(servers):

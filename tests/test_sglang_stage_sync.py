@@ -117,7 +117,8 @@ def test_each_stage_pushes_its_layers_into_sglang(server, policy_dirs):
     senders = sorted(role.stage for _, role in result["roles"] if role.sends)
     assert senders == [0, 1]  # exactly one sender per stage
     assert not result["metrics"].get("sync/retries") and result["metrics"]["sync/stages"] == 2
-    assert result["metrics"]["sync/verified"] == 1.0  # the first sync is verified (values and consistency)
+    # the first sync is verified: consistency (SGLang's Qwen3 has no get_weights_by_name: no values)
+    assert result["metrics"]["sync/verified"] == 1.0 and result["metrics"]["sync/verified_tensors"] == 0
     reference, engine = result["reference"], result["checksums"]
     assert reference == {n: c for n, c in _hf_checksums(policy_dirs[0]).items() if n in reference}
     assert {n: engine.get(n) for n in reference} == reference  # bitwise, every tensor of both stages

@@ -247,6 +247,18 @@ def _sglang(c: Config, out: list[str]) -> None:
         out.append("rollout.sglang.router=true with rollout.sglang.urls: the trainer launches a router only for "
                    "the servers it launches itself; give the running router's rollout.sglang.router_url "
                    "(slurm/ scripts do), or set router=false")
+    if c.rollout.min_p > 0 and s.deterministic_inference:
+        # deterministic inference forces SGLang's torch sampler, which asserts on a seed with min_p
+        # (sglang 0.5.23 layers/sampler.py): the server dies at the first such request
+        out.append(f"rollout.min_p={c.rollout.min_p} with rollout.sglang.deterministic_inference=true: SGLang's "
+                   f"deterministic sampler cannot apply min_p to a seeded request (the server stops); set "
+                   f"rollout.min_p=0 or rollout.sglang.deterministic_inference=false")
+    if sampling_replay_enabled(c) and (s.router or s.router_url):
+        # sglang-router 0.3.2 forwards /generate without return_sampling_mask (measured): no supports
+        out.append(f"rollout.sampling_replay={c.rollout.sampling_replay} (on: sampling is truncated) with the "
+                   f"sglang-router: the router drops return_sampling_mask, so no support would come back; "
+                   f"set rollout.sglang.router=false (the trainer spreads requests itself) or "
+                   f"rollout.sampling_replay=off")
     engines = len(s.urls) or s.num_engines
     if not 1 <= s.min_engines <= engines:
         out.append(f"rollout.sglang.min_engines={s.min_engines} must be between 1 and the number of engines "

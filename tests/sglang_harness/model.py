@@ -6,8 +6,10 @@ Both behave as SGLang 0.5.23's models do where it matters to a trainer:
   `default_weight_loader` (a shape mismatch raises) and SILENTLY SKIPS names it does not know, as
   SGLang's Qwen2/Qwen3/Llama `load_weights` do; only a verification step can catch a mis-named push.
 - `get_weights_by_name` returns the first `truncate_size` rows as float lists, as SGLang's Llama
-  does (Qwen2/Qwen3 have no such method in 0.5.23; the harness answers for every model so that
-  value checks can be tested).
+  does, and exists only where SGLang's own model class for the checkpoint's architecture has it
+  (`sglang_model_class`: Llama and Mistral do, Qwen2 / Qwen3 / Qwen3-MoE in 0.5.23 do not). Without
+  it SGLang's WeightExporter logs the AttributeError and answers None, which the HTTP app turns into
+  400 {"error": {"message": "Get parameter by name failed"}}: the harness runs that same code.
 The weights are kept unfused and unsharded (SGLang fuses q/k/v and gate/up, and shards by TP);
 checksums of `/weights_checker` are therefore over HF names here. MoE experts are the exception:
 transformers 5 stores them fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
@@ -20,16 +22,43 @@ from typing import Iterable
 import torch
 
 
-def load_causal_lm(model_path: str, dtype: torch.dtype) -> torch.nn.Module:
+def load_causal_lm(model_path: str, dtype: torch.dtype, sglang_class: type) -> torch.nn.Module:
+    """The HF model, with those of the two methods that SGLang's model class `sglang_class` has."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model.eval()
-    _attach_sglang_methods(model)
+    _attach_sglang_methods(model, sglang_class)
     return model
 
 
-def _attach_sglang_methods(model: torch.nn.Module) -> None:
+def sglang_model_class(model_config) -> type:
+    """SGLang's model class for a checkpoint (an SGLang ModelConfig), as its model loader resolves it.
+
+    The class named by the HF config's first architecture in SGLang's module of the config's
+    model_type (`sglang.srt.models.qwen3.EntryClass` has `Qwen3ForCausalLM`) is the one SGLang's
+    registry maps that architecture to (class names are unique there). Otherwise SGLang's own
+    `get_model_architecture` decides; it imports every SGLang model (seconds), so it is the fallback."""
+    import importlib
+
+    hf_config = model_config.hf_config
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    model_type = getattr(hf_config, "model_type", "")
+    if architectures and model_type.isidentifier():
+        try:
+            module = importlib.import_module(f"sglang.srt.models.{model_type}")
+        except ImportError:
+            module = None
+        entries = getattr(module, "EntryClass", [])
+        for cls in entries if isinstance(entries, list) else [entries]:
+            if cls.__name__ == architectures[0]:
+                return cls
+    from sglang.srt.model_loader.utils import get_model_architecture
+
+    return get_model_architecture(model_config)[0]
+
+
+def _attach_sglang_methods(model: torch.nn.Module, sglang_class: type) -> None:
     from sglang.srt.model_loader.weight_utils import default_weight_loader
 
     def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -50,7 +79,8 @@ def _attach_sglang_methods(model: torch.nn.Module) -> None:
         return params[name].detach().cpu().to(torch.float32).numpy().tolist()[:truncate_size]
 
     model.load_weights = load_weights
-    model.get_weights_by_name = get_weights_by_name
+    if hasattr(sglang_class, "get_weights_by_name"):
+        model.get_weights_by_name = get_weights_by_name
 
 
 def resolve_param(params: dict[str, torch.nn.Parameter], name: str) -> torch.Tensor | None:

@@ -8,12 +8,31 @@ output formatting) and the DetokenizerManager that surround it are SGLang's own 
 What runs here is SGLang's code too, except the loop and the forward pass:
 - requests are SGLang `Req` objects (their `update_finish_state` applies SGLang's stop rules), and
   finished ones go out through SGLang's `SchedulerOutputStreamer`;
-- sampling uses SGLang's torch-native sampler functions; `sampling_seed` takes effect only when the
-  server runs with `--enable-deterministic-inference`, as in SGLang; returned log-probs are
-  log_softmax(logits / temperature) before top-p/top-k, SGLang's default;
-- weight updates, the begin/end session, release/resume tag bookkeeping and `/weights_checker` are
-  SGLang's `SchedulerWeightUpdaterManager`, `WeightUpdater` and `WeightChecker`, including
-  `init_custom_process_group` + broadcast receive and `MultiprocessingSerializer` (SafeUnpickler);
+- sampling is SGLang's `Sampler` (pytorch backend, the one SGLang uses on CPU and under
+  `--enable-deterministic-inference`) for a batch of one: SGLang's own `SamplingBatchInfo` of the
+  request, greedy (top_k <= 1) as `Sampler.forward`'s argmax, else `Sampler._sample_from_probs`
+  with SGLang's torch-native sampler functions; `sampling_seed` takes effect only when the server
+  runs with `--enable-deterministic-inference`, as in SGLang; returned log-probs are
+  log_softmax(logits / temperature) before top-p/top-k/min-p (log_softmax(logits) for greedy), SGLang's
+  default;
+- sampling masks (`return_sampling_mask`, `sampling_logprobs_mode`): a request is refused exactly as
+  SGLang's `Scheduler._handle_generate_request` refuses it (top_k must be 1 or 1 < top_k <=
+  `--sampling-mask-max-tokens`, by SGLang's `_reject_sampling_mask_request`: HTTP 400); the support
+  and behaviour log-prob come from SGLang's `top_k_top_p_min_p_sampling_from_probs_torch(...,
+  return_filtered_probs=True)` and `Sampler._build_sampling_mask_output` /
+  `_build_greedy_sampling_mask_output`, and go out through SGLang's
+  `SchedulerBatchResultProcessor.materialize_sampling_mask_output` / `get_sampling_mask_finish_reason`
+  / `add_sampling_mask_return_values` into `req.sampling_mask_rows`, which SGLang's output streamer
+  and tokenizer manager turn into `meta_info["output_token_sampling_mask"]` /
+  `["output_token_sampling_logprobs"]`. An overflowing or invalid support aborts the request without
+  committing the token, as SGLang's `process_batch_result_decode` does (overflow: HTTP 400 naming
+  `--sampling-mask-max-tokens`; invalid: 500). `--enable-fp32-lm-head` is accepted (the harness
+  computes fp32 logits anyway);
+- weight updates, the begin/end session, release/resume tag bookkeeping, `/weights_checker` and
+  `/get_weights_by_name` are SGLang's `SchedulerWeightUpdaterManager`, `WeightUpdater`,
+  `WeightChecker` and `WeightExporter`, including `init_custom_process_group` + broadcast receive
+  and `MultiprocessingSerializer` (SafeUnpickler); `/get_weights_by_name` answers only where SGLang's
+  model class for the checkpoint's architecture has the method (model.py);
 - process groups come from SGLang's own `init_parallel_runtime(device="cpu")` (gloo); with
   `--tp-size N` the N ranks each hold a full copy of the model, rank 0 generates, and every rank
   runs every control request (SGLang broadcasts them the same way), so per-rank payloads and
@@ -21,7 +40,8 @@ What runs here is SGLang's code too, except the loop and the forward pass:
 Ours: the decode loop (one HF forward per running request per step, KV cache in HF's cache),
 the CPU memory saver (releasing `weights` zeroes them: SGLang drops their contents too unless
 `--enable-weights-cpu-backup`), and a scheduler-side exception ends the server as SGLang's does
-(SIGQUIT to the server process). Faults for tests come from environment variables (faults.py).
+(SIGQUIT to the server process). Faults for tests come from environment variables (faults.py), and
+one per request: a sampling-support cap below the server's (SUPPORT_CAP_FAULT below).
 """
 from __future__ import annotations
 
@@ -83,23 +103,28 @@ class CpuMemorySaver:
 
 class CpuModelRunner:
     """What SGLang's weight-update code reads from a ModelRunner: the model, SGLang's own
-    WeightUpdater bound to it, SGLang's WeightChecker, and a weight exporter."""
+    WeightUpdater bound to it, SGLang's WeightChecker, and SGLang's WeightExporter (whose
+    get_weights_by_name answers None, i.e. HTTP 400 "Get parameter by name failed", where SGLang's
+    model class for the checkpoint's architecture has no get_weights_by_name: Qwen2/Qwen3 in 0.5.23)."""
 
     def __init__(self, server_args, model_config, tp_rank: int):
+        from sglang.srt.model_executor.model_runner_components.weight_exporter import WeightExporter
         from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
         from sglang.srt.utils.weight_checker import WeightChecker
 
-        from tests.sglang_harness.model import load_causal_lm
+        from tests.sglang_harness.model import load_causal_lm, sglang_model_class
 
         self.model_config = model_config
-        self.model = load_causal_lm(server_args.model_path, model_config.dtype)
+        self.model = load_causal_lm(server_args.model_path, model_config.dtype, sglang_model_class(model_config))
         self.tp_size = server_args.tp_size
         self.weight_updater = WeightUpdater(
             tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=model_config, custom_weight_loaders={},
             get_model=lambda: self.model, update_model_fields=self._update_model_fields,
             recapture_cuda_graph=lambda: None, get_model_runner=lambda: self)
         self._weight_checker = WeightChecker(get_model=lambda: self.model)
-        self.weight_exporter = self
+        self.weight_exporter = WeightExporter(tp_rank=tp_rank, tp_size=self.tp_size, gpu_id=0,
+                                              get_model_path=lambda: server_args.model_path,
+                                              get_model=lambda: self.model)
 
     def _update_model_fields(self, model, **fields) -> None:
         self.model = model
@@ -107,9 +132,6 @@ class CpuModelRunner:
     def check_weights(self, action: str, allow_quant_error: bool = False, skip_tensor_list=None, *, role: str):
         return self._weight_checker.handle(action=action, allow_quant_error=allow_quant_error,
                                            skip_tensor_list=skip_tensor_list, role=role)
-
-    def get_weights_by_name(self, name: str, truncate_size: int = 100):
-        return self.model.get_weights_by_name(name, truncate_size, tp_size=self.tp_size)
 
 
 class CpuTpWorker:
@@ -127,11 +149,14 @@ class CpuTpWorker:
 
 
 class Running:
-    """One request being decoded: SGLang's Req plus our HF KV cache."""
+    """One request being decoded: SGLang's Req plus our HF KV cache and its SGLang SamplingBatchInfo
+    (a batch of one: the same at every step)."""
 
     def __init__(self, req, past_key_values=None):
         self.req = req
         self.past_key_values = past_key_values
+        self.batch = OneRequestBatch(req)  # the batch info's penalizers hold it by a weak reference
+        self.sampling_info = None
 
 
 class CpuScheduler:
@@ -143,7 +168,7 @@ class CpuScheduler:
         from sglang.srt.managers.scheduler_components.ipc_channels import SchedulerIpcChannels
         from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
         from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
-        from sglang.srt.runtime_context import get_exec, get_parallel, get_serving
+        from sglang.srt.runtime_context import get_parallel, get_serving
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
         from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
@@ -157,8 +182,8 @@ class CpuScheduler:
         self.tp_cpu_group = get_parallel().tp_group.cpu_group
         self.model_config = ModelConfig.from_server_args(server_args)
         self.tokenizer = get_tokenizer(get_serving().tokenizer_path or server_args.model_path)
-        self.deterministic = bool(get_exec().deterministic.enable_deterministic_inference)
         self.runner = CpuModelRunner(server_args, self.model_config, self.tp_rank)
+        self.sampler = make_sampler(self.tp_size)
         self.memory_saver = CpuMemorySaver(lambda: self.runner.model)
         self.disaggregation_mode = DisaggregationMode.NULL
         self._engine_paused = False
@@ -180,6 +205,20 @@ class CpuScheduler:
             enable_hicache_storage=lambda: False)
         self.dispatcher = self._build_dispatcher()
         self.generate_count = 0
+        self._bind_sglang_methods()
+
+    def _bind_sglang_methods(self) -> None:
+        """SGLang's own scheduler code for sampling masks, bound to this scheduler: what they read
+        of `self` here is `output_streamer` (the reject path) and nothing else (the mask methods of the
+        batch result processor use no state for non-speculative rows)."""
+        from sglang.srt.managers.scheduler import Scheduler
+        from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+
+        processor = SchedulerBatchResultProcessor
+        self.materialize_sampling_mask_output = processor.materialize_sampling_mask_output  # a staticmethod
+        self.get_sampling_mask_finish_reason = processor.get_sampling_mask_finish_reason.__get__(self)
+        self.add_sampling_mask_return_values = processor.add_sampling_mask_return_values.__get__(self)
+        self._reject_sampling_mask_request = Scheduler._reject_sampling_mask_request.__get__(self)
 
     def init_info(self) -> dict[str, Any]:
         return {"status": "ready", "max_total_num_tokens": 1 << 20,
@@ -265,6 +304,8 @@ class CpuScheduler:
 
     @torch.no_grad()
     def _decode_one(self, item: Running) -> None:
+        from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
         req = item.req
         if req.to_finish is not None:
             req.update_finish_state(0)
@@ -278,32 +319,66 @@ class CpuScheduler:
                                 use_cache=True)
         item.past_key_values = out.past_key_values
         position = len(req.origin_input_ids) + len(req.output_ids)
-        token, logprob = self._sample(out.logits[0, -1].float(), req.sampling_params, position)
+        if item.sampling_info is None:
+            # SGLang's own batch info of this request: temperatures, top_ks / top_ps / min_ps, the seed
+            # (only with --enable-deterministic-inference; 42 if the request has none), is_all_greedy,
+            # need_*_sampling, max_top_k and the rows that return sampling masks.
+            item.sampling_info = SamplingBatchInfo.from_schedule_batch(item.batch, self.model_config.vocab_size)
+        token, logprob, logits_output = self._sample(out.logits[0, -1].float(), req, item.sampling_info, position)
+        # SGLang's SchedulerBatchResultProcessor.process_batch_result_decode (and _prefill) for one row:
+        # an unusable sampling mask finishes the request without committing the sampled token.
+        if req.return_sampling_mask:
+            self.materialize_sampling_mask_output([req], logits_output)
+            statuses = logits_output.next_token_sampling_mask_status
+            finish_reason = self.get_sampling_mask_finish_reason(status=None if statuses is None else statuses[0])
+            if finish_reason is not None:
+                req.to_finish = finish_reason
+                req.update_finish_state(0)
+                return
         req.output_ids.append(token)
+        req.update_finish_state(1)
         if req.return_logprob:
             req.logprob.output_token_logprobs_val.append(logprob)
             req.logprob.output_token_logprobs_idx.append(token)
-        req.update_finish_state(1)
+        if req.return_sampling_mask:
+            self.add_sampling_mask_return_values(0, req, logits_output)
 
-    def _sample(self, logits: torch.Tensor, params, position: int) -> tuple[int, float]:
-        from sglang.srt.layers.sampler import (sampling_from_probs_torch,
-                                               top_k_top_p_min_p_sampling_from_probs_torch)
+    def _sample(self, logits: torch.Tensor, req, info, position: int):
+        """SGLang's `Sampler.forward` (pytorch backend) for a batch of one request with its batch info
+        `info`: the token, its log-prob, and the LogitsProcessorOutput that carries the sampling mask
+        (if asked for)."""
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 
-        logits = (logits / params.temperature).unsqueeze(0)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        probs = torch.softmax(logits, dim=-1)
-        seed = None
-        if self.deterministic:  # SGLang honours sampling_seed only in deterministic mode (42 if unset)
-            seed = torch.tensor([params.sampling_seed if params.sampling_seed is not None else 42])
+        logits = logits.unsqueeze(0)
         positions = torch.tensor([position])
-        if params.top_k >= probs.shape[-1] and params.top_p >= 1.0 and params.min_p <= 0.0:
-            token = sampling_from_probs_torch(probs, sampling_seed=seed, positions=positions)
+        output = LogitsProcessorOutput(next_token_logits=logits)
+        capture = None
+        if info.is_all_greedy:  # Sampler.forward: argmax, log-probs of the unscaled logits
+            token = torch.argmax(logits, -1)
+            logprobs = torch.log_softmax(logits, dim=-1)
         else:
-            token = top_k_top_p_min_p_sampling_from_probs_torch(
-                probs, torch.tensor([min(params.top_k, probs.shape[-1])]), torch.tensor([params.top_p]),
-                torch.tensor([params.min_p]), params.min_p > 0, seed, positions)
+            simple_sampling_case = not (info.need_top_p_sampling or info.need_top_k_sampling
+                                        or info.need_min_p_sampling)
+            logits = logits / info.temperatures
+            logprobs = torch.log_softmax(logits, dim=-1)
+            token, capture = self.sampler._sample_from_probs(torch.softmax(logits, dim=-1), info, positions,
+                                                             simple_sampling_case)
+        # (Sampler.forward drops the capture's selected weight when token ids are synchronised
+        # across TP ranks or grammars constrain them; neither happens here.)
+        if info.sampling_mask_batch_indices is not None:
+            if info.is_all_greedy:
+                output.sampling_mask_output = self.sampler._build_greedy_sampling_mask_output(
+                    info.sampling_mask_batch_indices, token, info.sampling_support_logprobs_capture_indices)
+            else:
+                cap = self.sampler.sampling_mask_max_tokens
+                self.sampler.sampling_mask_max_tokens = _support_cap_fault(req, cap)
+                try:
+                    output.sampling_mask_output = self.sampler._build_sampling_mask_output(
+                        token, capture, info.sampling_support_logprobs_capture_indices)
+                finally:
+                    self.sampler.sampling_mask_max_tokens = cap
         token_id = int(token.view(-1)[0])
-        return token_id, float(logprobs[0, token_id])
+        return token_id, float(logprobs[0, token_id]), output
 
     # ----- requests -----------------------------------------------------------------------------
     def handle_generate_request(self, recv_req) -> None:
@@ -316,7 +391,8 @@ class CpuScheduler:
             self.faults.on_generate(self.generate_count)
         req = Req(recv_req.rid, recv_req.input_text, recv_req.input_ids, recv_req.sampling_params,
                   return_logprob=recv_req.return_logprob, top_logprobs_num=recv_req.top_logprobs_num,
-                  token_ids_logprob=recv_req.token_ids_logprob, stream=recv_req.stream,
+                  token_ids_logprob=recv_req.token_ids_logprob, return_sampling_mask=recv_req.return_sampling_mask,
+                  sampling_logprobs_mode=recv_req.sampling_logprobs_mode, stream=recv_req.stream,
                   eos_token_ids=self.model_config.hf_eos_token_id, vocab_size=self.model_config.vocab_size,
                   http_worker_ipc=recv_req.http_worker_ipc, time_stats=recv_req.time_stats)
         req.tokenizer = self.tokenizer
@@ -325,6 +401,20 @@ class CpuScheduler:
                           "output_top_logprobs_idx", "output_token_ids_logprobs_val",
                           "output_token_ids_logprobs_idx"):
                 setattr(req.logprob, field, [])
+        if req.return_sampling_mask:
+            # SGLang's Scheduler._handle_generate_request, line for line (no disaggregation, no
+            # speculative decoding, no ascend backend here: their checks cannot apply)
+            top_k = req.sampling_params.top_k
+            sampling_mask_cap = self.server_args.sampling_mask_max_tokens
+            if top_k != 1 and not (1 < top_k <= sampling_mask_cap):
+                error_msg = (
+                    "return_sampling_mask requires top_k=1 for greedy sampling "
+                    f"or finite 1 < top_k <= {sampling_mask_cap}; got top_k="
+                    f"{top_k}. Lower top_k or increase "
+                    "--sampling-mask-max-tokens."
+                )
+                self._reject_sampling_mask_request(req, error_msg)
+                return
         if len(req.origin_input_ids) >= self.model_config.context_len:
             req.set_finish_with_abort(f"the input ({len(req.origin_input_ids)} tokens) is longer than the "
                                       f"model's context length ({self.model_config.context_len})")
@@ -378,6 +468,45 @@ class CpuScheduler:
     def flush_cache(self, empty_cache: bool = True) -> bool:
         """SGLang refuses to flush while requests run or wait; there is no prefix cache here."""
         return self.is_fully_idle()
+
+
+# A test fault for one request (the server's flags stay SGLang's): sampling_params.custom_params
+# {"harness_sampler_support_cap": C} makes the sampler hold that request's supports to C tokens,
+# below the admission bound --sampling-mask-max-tokens. On SGLang's pytorch backend a support never
+# exceeds top_k (<= that bound); on FlashInfer's, ties at the top-k cut-off can widen it past the
+# bound. With the fault, SGLang's own overflow status, abort and HTTP 400 follow.
+SUPPORT_CAP_FAULT = "harness_sampler_support_cap"
+
+
+def _support_cap_fault(req, cap: int) -> int:
+    custom = req.sampling_params.custom_params or {}
+    return int(custom[SUPPORT_CAP_FAULT]) if SUPPORT_CAP_FAULT in custom else cap
+
+
+class OneRequestBatch:
+    """What SGLang's SamplingBatchInfo.from_schedule_batch reads of a ScheduleBatch (and its
+    penalizer orchestrator keeps a weak reference to): the requests and the device."""
+
+    def __init__(self, req):
+        self.reqs = [req]
+        self.device = "cpu"
+
+
+def make_sampler(tp_size: int):
+    """SGLang's own Sampler, built in this scheduler process (it reads the parallel state and the
+    server's --sampling-mask-max-tokens). SGLang's TP ranks all sample the batch and MAX-reduce the
+    sampling-mask statuses over the TP group (Sampler._build_sampling_mask_output), so that every
+    rank takes the same abort decision; here only rank 0 samples, so its group is rank 0 alone
+    (created on every rank, as torch.distributed.new_group requires), where the reduction is the
+    identity."""
+    import torch.distributed as dist
+    from sglang.srt.layers.sampler import Sampler
+    from sglang.srt.runtime_context import get_parallel
+
+    sampler = Sampler()
+    if tp_size > 1:
+        sampler.tp_sync_group = dist.new_group([get_parallel().tp_group.ranks[0]], backend="gloo")
+    return sampler
 
 
 def _is_health_check(recv_req) -> bool:
