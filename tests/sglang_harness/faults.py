@@ -4,6 +4,8 @@ command line stays exactly SGLang's):
     HARNESS_DIE_ON_GENERATE=N     the process exits hard (os._exit) at the N-th /generate request
                                   (health probes not counted)
     HARNESS_FORWARD_DELAY_S=S     sleep S seconds before every forward pass (slows generation)
+    HARNESS_SKIP_WEIGHT=NAME      weight updates skip the tensor NAME without a word, as SGLang's
+                                  load_weights skips a name its model does not know (a mis-named push)
 """
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ from dataclasses import dataclass
 class Faults:
     die_on_generate: int = 0
     forward_delay_s: float = 0.0
+    skip_weight: str = ""
 
     @classmethod
     def from_env(cls) -> "Faults":
         return cls(die_on_generate=int(os.environ.get("HARNESS_DIE_ON_GENERATE", "0")),
-                   forward_delay_s=float(os.environ.get("HARNESS_FORWARD_DELAY_S", "0")))
+                   forward_delay_s=float(os.environ.get("HARNESS_FORWARD_DELAY_S", "0")),
+                   skip_weight=os.environ.get("HARNESS_SKIP_WEIGHT", ""))
 
     def on_generate(self, count: int) -> None:
         if self.die_on_generate and count >= self.die_on_generate:
