@@ -104,7 +104,7 @@ def test_gpu_recipe_validates_for_its_layout(script: str) -> None:
 
 
 def test_dry_run_qwen3_8b_colocated() -> None:
-    result = dry_run("grpo_qwen3_8b.sh", "actor.optim.lr=2e-6")
+    result = dry_run("grpo_qwen3_8b.sh", "actor.optim.lr=2e-6", "model.fp32_lm_head=true")
     assert result.returncode == 0, result.stderr
     # this venv has no SGLang: the plan is printed, with the warning the real run would stop on
     assert f"WARNING: {sys.executable} lacks sglang, which starts the SGLang engines" in result.stderr, result.stderr
@@ -121,6 +121,7 @@ def test_dry_run_qwen3_8b_colocated() -> None:
         assert f"--tp-size 1 --base-gpu-id {i} " in engine["cmd"]
         assert "--enable-memory-saver" in engine["cmd"] and "--mem-fraction-static 0.4" in engine["cmd"]
         assert "--enable-deterministic-inference" in engine["cmd"]  # the trainer's seeds take effect
+        assert "--enable-fp32-lm-head" in engine["cmd"]  # model.fp32_lm_head: both sides
         # the key comes from the job's environment, never on the command line
         assert "-m megatron_grpo.launch.api_key_exec GRPO_SGLANG_API_KEY sglang.launch_server " in engine["cmd"]
         assert "--api-key" not in engine["cmd"]
@@ -144,7 +145,7 @@ def test_dry_run_qwen3_8b_colocated() -> None:
     assert "rollout.sglang.api_key_env=GRPO_SGLANG_API_KEY" in cmd
     for i in range(8):
         assert f"http://node1:{30000 + 10 * i}" in cmd
-    assert cmd.endswith("actor.optim.lr=2e-6")  # the user's override comes last and wins
+    assert cmd.endswith("actor.optim.lr=2e-6 model.fp32_lm_head=true")  # the user's override comes last and wins
     assert "NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0" in result.stdout
 
 
@@ -179,7 +180,7 @@ def test_dry_run_llama3_70b_dedicated() -> None:
     assert [e["url"].rsplit(":", 1)[1] for e in engines] == [str(low + 1), str(low + 11)] * 4
     for engine in engines:
         assert "--model-path /models/llama3-70b --tp-size 4" in engine["cmd"]
-        assert "--enable-memory-saver" not in engine["cmd"]
+        assert "--enable-memory-saver" not in engine["cmd"] and "--enable-fp32-lm-head" not in engine["cmd"]
         assert f"--host {engine['node']} " in engine["cmd"]
     [router] = plan["router"]
     assert router["node"] == "node1" and "--policy cache_aware" in router["cmd"]

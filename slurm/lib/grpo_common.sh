@@ -158,7 +158,7 @@ values = dict(R_ENGINE=c.rollout.engine, R_MODEL_PATH=c.model.path or "", R_TP=s
               R_NUM_ENGINES=s.num_engines, R_MEM_FRACTION=s.mem_fraction, R_PORT=s.port,
               R_ROUTER=int(s.router), R_ROUTER_PORT=s.router_port, R_ROUTER_POLICY=s.router_policy,
               R_WEIGHT_SYNC=s.weight_sync, R_STARTUP_TIMEOUT=int(s.startup_timeout_s),
-              R_DETERMINISTIC=int(s.deterministic_inference),
+              R_DETERMINISTIC=int(s.deterministic_inference), R_FP32_LM_HEAD=int(c.model.fp32_lm_head),
               R_NUM_URLS=len(s.urls),
               R_MODEL_PARALLEL=c.parallel.tensor * c.parallel.pipeline * c.parallel.context)
 for key, value in values.items():
@@ -246,6 +246,8 @@ grpo_engine_cmd() {
     [ "$GRPO_PLACEMENT" = colocated ] && GRPO_CMD+=(--enable-memory-saver)
     # SGLang ignores the trainer's sampling seeds without it (rollout.sglang.deterministic_inference).
     [ "$R_DETERMINISTIC" = 1 ] && GRPO_CMD+=(--enable-deterministic-inference)
+    # the LM head in fp32 on both sides (model.fp32_lm_head; the trainer checks /server_info)
+    [ "$R_FP32_LM_HEAD" = 1 ] && GRPO_CMD+=(--enable-fp32-lm-head)
     GRPO_CMD+=("${R_EXTRA_ARGS[@]}")
     local extra=(); read -r -a extra <<< "${SGLANG_EXTRA_ARGS:-}"; GRPO_CMD+=("${extra[@]}")
     per_node=$((GPUS_PER_NODE / R_TP))
