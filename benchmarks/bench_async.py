@@ -70,8 +70,12 @@ def _peak_rss(proc: subprocess.Popen, peak: list[float], stop: threading.Event) 
         stop.wait(0.2)
 
 
+def run_dir_of(out: Path, name: str, seed: int) -> Path:
+    return out / f"{name.replace(' ', '_').replace(',', '').replace('=', '')}_seed{seed}"
+
+
 def run_one(name: str, overrides: list[str], seed: int, steps: int, out: Path, target: float) -> Result:
-    run_dir = out / f"{name.replace(' ', '_').replace(',', '').replace('=', '')}_seed{seed}"
+    run_dir = run_dir_of(out, name, seed)
     cmd = [sys.executable, "-m", "megatron_grpo.cli", "train", str(REPO / "recipes" / "tiny_cpu.yaml"),
            f"trainer.seed={seed}", f"trainer.total_steps={steps}", f"logging.output_dir={run_dir}",
            "logging.console=false", "checkpoint.resume=never", "eval.interval=-1", *overrides]

@@ -141,3 +141,16 @@ def test_bench_multi_turn_quick_runs_both_modes_on_the_same_tokens(tmp_path):
         assert kept["trajectory_tokens"] == reprefill["trajectory_tokens"] > 0
         # keeping the KV means later turns prefill only their new ids
         assert 0 < kept["prefill_positions"] < reprefill["prefill_positions"]
+
+
+@pytest.mark.slow
+def test_bench_replay_compares_replay_on_and_off(tmp_path):
+    proc = _run(str(BENCH / "bench_replay.py"), "--out", str(tmp_path), "--steps", "5", "--target", "0.0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    on, off = json.loads((tmp_path / "results.json").read_text())
+    assert (on["name"], off["name"]) == ("replay on", "replay off")
+    # with replay the trainer computes what the engine sampled from; without, every ratio is off
+    # by the mass top-p / top-k cut away (the tiny vocabulary's step-1 distributions are flat)
+    assert on["outside_step1"] == 0.0 and on["p99_step1"] < 1e-5
+    assert off["outside_step1"] > 0.5 and off["p99_step1"] > 0.05
+    assert "| replay on |" in proc.stdout and (tmp_path / "replay_curves.png").stat().st_size > 0

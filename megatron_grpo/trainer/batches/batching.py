@@ -196,13 +196,20 @@ def _supports(rows: list[TrainSample], shape: tuple[int, int], starts: list[int]
     the positions that predict each response token (start + len(prompt) - 1 + j)."""
     if not rows or rows[0].sampling_support is None:
         return None
-    width = max((len(ids) for row in rows for ids in row.sampling_support), default=1)
+    supports = [ids for row in rows for ids in row.sampling_support]
+    sizes = torch.tensor([len(ids) for ids in supports], dtype=torch.long)
+    width = int(sizes.max()) if len(supports) else 1
     out = torch.full((*shape, width), -1, dtype=torch.int32)
+    # one (layout row, position) per response token, then one entry per support id (no per-token tensors)
+    layout_rows, positions = [], []
     for i, (row, start) in enumerate(zip(rows, starts)):
-        target = out[0] if shape[0] == 1 else out[i]
         first = start + len(row.prompt_ids) - 1
-        for j, ids in enumerate(row.sampling_support):
-            target[first + j, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        layout_rows += [0 if shape[0] == 1 else i] * len(row.sampling_support)
+        positions += range(first, first + len(row.sampling_support))
+    token_of_entry = torch.repeat_interleave(torch.arange(len(supports)), sizes)
+    slot = torch.arange(len(token_of_entry)) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
+    ids = torch.tensor([i for support in supports for i in support], dtype=torch.int32)
+    out[torch.tensor(layout_rows)[token_of_entry], torch.tensor(positions)[token_of_entry], slot] = ids
     return out
 
 

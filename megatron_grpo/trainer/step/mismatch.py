@@ -142,17 +142,24 @@ class MismatchHealth:
     def add_rows(self, sample_indices: list[int], delta: torch.Tensor, mask: torch.Tensor,
                  fraction: torch.Tensor) -> None:
         """delta, mask, fraction: [rows, w] with row i = sample_indices[i] (rows past them are padding);
-        fraction: where in its response each token is, in [0, 1)."""
-        for row, index in enumerate(sample_indices):
-            keep = mask[row]
-            values, where = delta[row][keep], fraction[row][keep]
-            self._stats("").add(values)
-            third = (where * 3).clamp(max=2.999).long()
-            for i, name in enumerate(POSITIONS):
-                self._stats(f"position_{name}/").add(values[third == i])
-            self._stats(f"engine_{self.sample_engines[index]}/").add(values)
-            if self.sample_staleness is not None:
-                self._stats(f"staleness_{self.sample_staleness[index]}/").add(values)
+        fraction: where in its response each token is, in [0, 1). One histogram update per split,
+        not per row: the loss function calls this for every micro-batch."""
+        rows = len(sample_indices)
+        keep = mask[:rows].detach().cpu()
+        values = delta[:rows].detach().cpu()[keep]
+        row_of_token = keep.nonzero()[:, 0]
+        self._stats("").add(values)
+        third = (fraction[:rows].detach().cpu()[keep] * 3).clamp(max=2.999).long()
+        for i, name in enumerate(POSITIONS):
+            self._stats(f"position_{name}/").add(values[third == i])
+        self._add_by("engine_{}/", [self.sample_engines[i] for i in sample_indices], values, row_of_token)
+        if self.sample_staleness is not None:
+            self._add_by("staleness_{}/", [self.sample_staleness[i] for i in sample_indices], values, row_of_token)
+
+    def _add_by(self, key: str, row_labels: list, values: torch.Tensor, row_of_token: torch.Tensor) -> None:
+        for label in dict.fromkeys(row_labels):
+            rows = torch.tensor([lab == label for lab in row_labels], dtype=torch.bool)
+            self._stats(key.format(label)).add(values[rows[row_of_token]])
 
     def reduce(self, contributes: bool) -> dict[str, float]:
         """Every rank's statistics merged (collective over the world); `contributes`: this rank
