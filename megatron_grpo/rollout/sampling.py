@@ -113,9 +113,12 @@ def sample_tokens(logits: torch.Tensor, state: BatchSamplingState, want_support:
             behaviour[sample_idx] = torch.where(
                 truncated, logp.gather(1, tok[:, None]).squeeze(1) - sorted_logp.logsumexp(-1),
                 logp.gather(1, tok[:, None]).squeeze(1))
+            # every rule keeps a prefix of the descending order: one copy of the widest prefix
+            counts = keep.sum(-1).tolist()
+            prefix = sorted_ids[:, :max(counts)].tolist()
             for row, batch_row in enumerate(idx_list):
                 if truncated[row] and (want_support is None or want_support[batch_row]):
-                    supports[batch_row] = sorted_ids[row, keep[row]].tolist()
+                    supports[batch_row] = prefix[row][:counts[row]]
         else:
             tok = _inverse_cdf(probs, uniform)
             behaviour[sample_idx] = logp.gather(1, tok[:, None]).squeeze(1)
