@@ -148,8 +148,12 @@ def support_grad(z: torch.Tensor, chunk: SupportChunk, rows: slice, lse: torch.T
 
 def scatter_support_grad(out_rows: torch.Tensor, chunk: SupportChunk, grad: torch.Tensor) -> None:
     """Adds the [c, K] support gradient into out_rows [c, V/tp] (zeros, in the logits' dtype). An
-    add, not a scatter: the non-members all point at column 0 and carry exact zeros."""
-    out_rows.scatter_add_(1, chunk.index, grad.to(out_rows.dtype))
+    add, not a scatter: the non-members all point at column 0 and carry exact zeros. In slices of
+    the full-vocabulary op's chunk rows: torch's CPU scatter_add_ of bf16 works on an fp32 copy of
+    its whole destination ([c, V/tp] x 4 bytes: 2.3 GiB measured for 4096 x 151,936 in one piece)."""
+    step = default_chunk_size(out_rows.shape[1], out_rows.device)
+    for rows in row_chunks(out_rows.shape[0], step):
+        out_rows[rows].scatter_add_(1, chunk.index[rows], grad[rows].to(out_rows.dtype))
 
 
 def check_support_shape(support: torch.Tensor, targets: torch.Tensor) -> None:
