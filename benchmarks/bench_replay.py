@@ -75,18 +75,21 @@ def plot(out: Path, runs: dict[str, Path]) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (reward, outside) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
+    fig, (reward, outside, p99) = plt.subplots(3, 1, figsize=(6, 7.5), sharex=True)
     for name, run_dir in runs.items():
         train = _records(run_dir)
         steps = [r["step"] for r in train]
         reward.plot(steps, [r["reward/mean"] for r in train], label=name)
         outside.plot(steps, [r["mismatch/ratio_outside_frac"] for r in train], label=name)
+        p99.plot(steps, [max(r["mismatch/abs_logp_diff_p99"], 1e-9) for r in train], label=name)
     reward.set_ylabel("reward/mean")
-    outside.set_ylabel("token ratios outside [0.9, 1.1]")
-    outside.set_xlabel("step")
-    for ax in (reward, outside):
+    outside.set_ylabel("ratios outside [0.9, 1.1]")
+    p99.set_ylabel("p99 |log-prob diff|")
+    p99.set_yscale("log")
+    p99.set_xlabel("step")
+    for ax in (reward, outside, p99):
         ax.grid(alpha=0.3)
-        ax.legend(loc="center right")
+        ax.legend(loc="center right", fontsize="small")
     fig.suptitle("embedded default, top-p 0.9 / top-k 20: sampling replay on vs off")
     fig.tight_layout()
     path = out / "replay_curves.png"
