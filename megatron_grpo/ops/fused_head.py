@@ -31,7 +31,7 @@ from megatron_grpo.ops.vocab_parallel import (
     CPU_CHUNK_ELEMENTS, CUDA_CHUNK_ELEMENTS, _prepare_upstream, accumulate_chunk_stats, chunk_grad,
     VocabShard, combine_stats, default_chunk_size, empty_stats, flatten_ignored, local_targets_and_ownership,
     outputs_from_stats, resolve_vocab_shard, scaled_chunk)
-from megatron_grpo.ops.support_logprobs import SupportBatch, prepare_support, support_outputs
+from megatron_grpo.ops.support_logprobs import SupportBatch, prepare_support, shaped, support_forward
 
 # The head's matmuls want more rows per chunk than the softmax alone (a small chunk re-reads the
 # whole weight shard for few tokens), so its default chunk is 16x the vocab_parallel one.
@@ -173,15 +173,11 @@ class _FusedHeadSupportLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, support, ignored, temperature, shard, chunk_size, with_entropy):
         h = hidden.reshape(-1, hidden.shape[-1])
         batch = SupportBatch.of(targets, support, ignored, shard, temperature, chunk_size)
-        stats = empty_stats(h.shape[0], h.device, with_entropy)
-        for rows in batch.chunks():
-            batch.accumulate(_chunk_logits(h[rows], weight), rows, stats)
-        logp, lse, entropy, mean_z = support_outputs(stats, shard, ignored)
+        logp, lse, entropy, mean_z = support_forward(batch, lambda rows: _chunk_logits(h[rows], weight), h.shape[0],
+                                                     h.device, with_entropy)
         ctx.save_for_backward(hidden, weight, batch.support, batch.targets, ignored, lse, mean_z)
         ctx.meta = (shard, temperature, chunk_size)  # SupportBatch's order
-        if with_entropy:
-            return logp.view(targets.shape), entropy.view(targets.shape)
-        return logp.view(targets.shape)
+        return shaped(logp, entropy, targets.shape, with_entropy)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy=None):

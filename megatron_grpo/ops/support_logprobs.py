@@ -266,20 +266,33 @@ class SupportBatch:
         scatter_support_grad(out_rows, chunk, support_grad(z, chunk, rows, lse, mean_z, grad_logp, grad_entropy))
 
 
+def support_forward(batch: "SupportBatch", logits_of_rows, n: int, device: torch.device,
+                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+                                                 Optional[torch.Tensor]]:
+    """(logp, lse, entropy, E_p[z]) of n token rows; logits_of_rows(rows) gives a chunk's logits
+    (a slice of the shard, or the fused head's matmul)."""
+    stats = empty_stats(n, device, with_entropy)
+    for rows in batch.chunks():
+        batch.accumulate(logits_of_rows(rows), rows, stats)
+    return support_outputs(stats, batch.shard, batch.ignored)
+
+
+def shaped(logp: torch.Tensor, entropy: Optional[torch.Tensor], shape: torch.Size, with_entropy: bool):
+    """The autograd Functions' outputs in the targets' shape."""
+    if with_entropy:
+        return logp.view(shape), entropy.view(shape)
+    return logp.view(shape)
+
+
 class _SupportLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, support, ignored, temperature, shard, chunk_size, with_entropy):
         x = logits.reshape(-1, shard.local_size)
         batch = SupportBatch.of(targets, support, ignored, shard, temperature, chunk_size)
-        stats = empty_stats(x.shape[0], x.device, with_entropy)
-        for rows in batch.chunks():
-            batch.accumulate(x[rows], rows, stats)
-        logp, lse, entropy, mean_z = support_outputs(stats, shard, ignored)
+        logp, lse, entropy, mean_z = support_forward(batch, lambda rows: x[rows], x.shape[0], x.device, with_entropy)
         ctx.save_for_backward(logits, batch.support, batch.targets, ignored, lse, mean_z)
         ctx.meta = (shard, temperature, chunk_size)  # SupportBatch's order
-        if with_entropy:
-            return logp.view(targets.shape), entropy.view(targets.shape)
-        return logp.view(targets.shape)
+        return shaped(logp, entropy, targets.shape, with_entropy)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy=None):
