@@ -19,8 +19,10 @@ fp32, 0.088 for bf16; a sound pair is far below it, a bug far above):
    largest |log-prob difference| over the tokens both produced before they diverge.
 
 "Engine log-prob" is the one of the distribution the trainer computes: the truncated one with
-sampling replay, the full one without. Not checked here: the trainer at TP=1 against the recipe's
-TP (it would need a second model; tests/test_trainer_e2e.py holds every layout to one process).
+sampling replay, the full one without. The trainer at TP=1 against the recipe's TP: with the local
+engine (an HF model in one process) check 1 is that comparison; with SGLang it compares the
+engine's TP with the trainer's. No TP=1 copy of the trainer is built (where TP is needed it would
+not fit); tests/test_trainer_e2e.py holds every layout to one process.
 """
 from __future__ import annotations
 
