@@ -640,7 +640,12 @@ def test_sampling_replay_follows_truncation_and_the_engine():
     validate(valid("rollout.engine=sglang", "rollout.sglang.urls=[http://127.0.0.1:1]", "rollout.top_p=0.9",
                    "rollout.sampling_replay=off"))
     with pytest.raises(ConfigError, match="not supported with rollout.multi_turn"):
-        validate(valid("rollout.top_k=20", "rollout.multi_turn.environment=lookup"))
+        validate(valid("rollout.top_k=20", "rollout.sampling_replay=on", "rollout.multi_turn.environment=lookup"))
+    with pytest.raises(ConfigError, match="with rollout.top_k=1: every support is one token"):
+        validate(valid("rollout.top_k=1", "rollout.sampling_replay=on"))
+    # auto leaves both off: multi-turn, and the one-token supports of top_k=1 (greedy-like sampling)
+    assert not sampling_replay_enabled(valid("rollout.top_k=20", "rollout.multi_turn.environment=lookup"))
+    assert not sampling_replay_enabled(valid("rollout.top_k=1"))
     # sglang-router 0.3.2 drops return_sampling_mask; SGLang's deterministic sampler dies on min_p
     with pytest.raises(ConfigError, match="the router drops return_sampling_mask"):
         validate(valid("rollout.engine=sglang", "rollout.top_k=20", "rollout.sglang.router=true"))

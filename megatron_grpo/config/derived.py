@@ -15,10 +15,14 @@ def engine_in_own_process(cfg: Config) -> bool:
 
 def sampling_replay_enabled(cfg: Config) -> bool:
     """Whether the trainer computes its log-probs over each token's sampling support
-    (rollout.sampling_replay: auto = whenever top-p, top-k or min-p truncate the distribution)."""
+    (rollout.sampling_replay: auto = whenever top-p, top-k or min-p truncate the distribution, except
+    top_k=1 (a support of one token: every log-prob 0, nothing to train) and multi-turn rollouts
+    (observation tokens have no support); on = whenever truncated, validate.py refuses those two)."""
     r = cfg.rollout
     truncated = r.top_p < 1 or r.top_k != -1 or r.min_p > 0
-    return truncated and r.sampling_replay != "off"
+    if r.sampling_replay == "auto":
+        return truncated and r.top_k != 1 and r.multi_turn.environment is None
+    return truncated and r.sampling_replay == "on"
 
 
 def weight_sync_route(cfg: Config) -> str:
@@ -69,8 +73,8 @@ def implied_settings(cfg: Config) -> list[str]:
         lines.append(f"sampling replay: on (rollout.sampling_replay={r.sampling_replay}): log-probs over each token's "
                      f"top-p/top-k/min-p support, as the engine sampled")
     elif r.top_p < 1 or r.top_k != -1 or r.min_p > 0:
-        lines.append("sampling replay: off (rollout.sampling_replay=off): sampling is truncated but the trainer's "
-                     "log-probs are of the full distribution; off_policy and mismatch/* show the bias")
+        lines.append(f"sampling replay: off (rollout.sampling_replay={r.sampling_replay}): sampling is truncated but "
+                     f"the trainer's log-probs are of the full distribution; off_policy and mismatch/* show the bias")
     return lines + inert_settings(cfg)
 
 

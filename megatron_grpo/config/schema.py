@@ -160,7 +160,8 @@ class RolloutConfig:
     # Sampling-support replay: with top-p / top-k / min-p the engine samples from a truncated
     # distribution; `on` trains on the log-probs of that same distribution (each token's support
     # comes back from the engine: SGLang's return_sampling_mask, which needs a finite top_k <= its
-    # --sampling-mask-max-tokens), `off` on the full one; auto = on whenever sampling is truncated.
+    # --sampling-mask-max-tokens), `off` on the full one; auto = on whenever sampling is truncated, except
+    # top_k=1 (one-token supports) and multi-turn rollouts.
     sampling_replay: Literal["auto", "on", "off"] = "auto"
     max_new_tokens: Optional[int] = None  # None = data.max_response_length (as verl)
     stop: list[str] = field(default_factory=list)
