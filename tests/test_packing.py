@@ -28,6 +28,7 @@ def _samples(count: int, seed: int = 0, max_prompt: int = 12, max_response: int 
                                rollout_logprobs=[-rng.random() for _ in range(r)],
                                old_logprobs=[-rng.random() for _ in range(r)],
                                ref_logprobs=[-rng.random() for _ in range(r)]))
+        out[-1].behaviour_logprobs = [-rng.random() for _ in range(r)]  # drawn after: the others stay as they were
     return out
 
 

@@ -4,8 +4,6 @@ reference, the support tensors of the micro-batches (packed, padded, CP-split), 
 statistics against exact quantiles."""
 import json
 import math
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +12,8 @@ from megatron_grpo.rollout.sampling import make_state, sample_tokens, truncation
 from megatron_grpo.trainer.batches.batching import TrainSample, collate, collate_packed
 from megatron_grpo.trainer.batches.micro_batches import split_for_context_parallel_rank
 from megatron_grpo.trainer.step.mismatch import DeltaStats, MismatchHealth, mismatch_metrics
-from tests.requirements import missing
+from tests.sglang_harness.fixtures import sglang_sampler_function
 
-REPO = Path(__file__).resolve().parents[1]
-SGLANG_PYTHON = REPO / "build" / "sglang-venv" / "bin" / "python"
 
 # (top_p, top_k, min_p) per row; the first rows have ties at the cut-offs
 SETTINGS = [(0.9, 20, 0.0), (1.0, 5, 0.0), (0.5, -1, 0.0), (1.0, -1, 0.1), (0.8, 50, 0.05), (0.95, 3, 0.0)]
@@ -31,33 +27,18 @@ def _probabilities(seed: int, rows: int, vocab: int) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
-_SGLANG_SUPPORTS = """
-import json, sys, torch
-from tests.sglang_harness import torchvision_stub, memory_saver_stub
-torchvision_stub.install(); memory_saver_stub.install()
-from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
-from tests.test_sampling_replay import SETTINGS, _probabilities
-probs = _probabilities(0, len(SETTINGS), 300)
-out = []
-for row, (top_p, top_k, min_p) in enumerate(SETTINGS):
-    _, filtered, ids, _ = top_k_top_p_min_p_sampling_from_probs_torch(
-        probs[row:row + 1].clone(), torch.tensor([top_k if top_k > 0 else 300]), torch.tensor([top_p]),
-        torch.tensor([min_p]), min_p > 0, None, torch.tensor([0]), return_filtered_probs=True)
-    out.append(sorted(ids[0][filtered[0] > 0].tolist()))
-print(json.dumps(out))
-"""
-
-
 def test_local_supports_equal_sglangs_sampler_on_the_same_probabilities():
-    """SGLang 0.5.23's own torch sampler (the function its pytorch backend and our harness call)
-    keeps exactly the ids our local engine's truncation keeps, ties at the cut-offs included."""
-    if not SGLANG_PYTHON.exists():
-        missing("build/sglang-venv is missing (bash scripts/setup_sglang_venv.sh)")
-    done = subprocess.run([str(SGLANG_PYTHON), "-c", _SGLANG_SUPPORTS], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    sglang = json.loads(done.stdout.strip().splitlines()[-1])
+    """SGLang 0.5.23's own torch sampler (the function its pytorch backend and our harness call,
+    compiled from its source) keeps exactly the ids our local engine's truncation keeps, ties at
+    the cut-offs included."""
+    sglang_sampler = sglang_sampler_function("top_k_top_p_min_p_sampling_from_probs_torch")
     probs = _probabilities(0, len(SETTINGS), 300)
+    sglang = []
+    for row, (top_p, top_k, min_p) in enumerate(SETTINGS):
+        _, filtered, ids, _ = sglang_sampler(
+            probs[row:row + 1].clone(), torch.tensor([top_k if top_k > 0 else 300]), torch.tensor([top_p]),
+            torch.tensor([min_p]), min_p > 0, None, torch.tensor([0]), return_filtered_probs=True)
+        sglang.append(sorted(ids[0][filtered[0] > 0].tolist()))
     top_p = torch.tensor([s[0] for s in SETTINGS])
     top_k = torch.tensor([s[1] if s[1] > 0 else 2**62 for s in SETTINGS])
     min_p = torch.tensor([s[2] for s in SETTINGS])

@@ -10,10 +10,8 @@ One server for the module (a tiny Llama, deterministic inference, --sampling-mas
 of the same weights in HF transformers."""
 from __future__ import annotations
 
-import ast
 import copy
 import math
-from typing import Optional
 
 import pytest
 import torch
@@ -27,7 +25,7 @@ from megatron_grpo.rollout.sglang.protocol import generate_payloads, parse_gener
 from megatron_grpo.rollout.sglang.verify import WeightSample, WeightVerificationError, verify_engines
 from megatron_grpo.rollout.sglang.weight_sync import EngineTarget, TensorTransport
 from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
-from tests.sglang_harness.fixtures import SGLANG_PYTHON, launch_servers, server_settings, sglang_python
+from tests.sglang_harness.fixtures import launch_servers, server_settings, sglang_python, sglang_sampler_function
 from tests.tiny_hf import EOS_ID, PAD_ID, VOCAB_SIZE, char_tokenizer
 
 MASK_CAP = 30  # the server's --sampling-mask-max-tokens
@@ -127,19 +125,9 @@ def server(llama, tmp_path_factory):
     launcher.shutdown(grace_s=5)
 
 
-def sglang_function(name: str):
-    """A torch-only top-level function of SGLang's sampler module, compiled from SGLang's source
-    alone: importing sglang.srt.layers.sampler takes ~10 s and works only in SGLang's venv."""
-    source = next(SGLANG_PYTHON.parent.parent.glob("lib/python*/site-packages/sglang/srt/layers/sampler.py"))
-    node = next(n for n in ast.parse(source.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == name)
-    namespace = {"torch": torch, "Optional": Optional}
-    exec(compile(ast.Module(body=[node], type_ignores=[]), str(source), "exec"), namespace)
-    return namespace[name]
-
-
 def reference_supports(float64_model, sample, params: SamplingParams):
     """Per response token: SGLang's support set and log(p_y / sum_S p), from float64 probabilities."""
-    sample_fn = sglang_function("top_k_top_p_min_p_sampling_from_probs_torch")
+    sample_fn = sglang_sampler_function("top_k_top_p_min_p_sampling_from_probs_torch")
     ids = torch.tensor([list(sample.prompt_ids) + list(sample.response_ids)])
     with torch.no_grad():
         logits = float64_model(input_ids=ids).logits[0, len(sample.prompt_ids) - 1:-1]

@@ -192,8 +192,7 @@ def _sampling_replay(c: Config, out: list[str]) -> None:
                    f"for more); set rollout.top_k, or rollout.sampling_replay=off to train on the full distribution")
     if replay and r.multi_turn.environment is not None:
         out.append("rollout.sampling_replay=on is not supported with rollout.multi_turn yet (observation tokens have "
-                   "no support); set rollout.sampling_replay=auto or off (the behaviour log-probs still reach the "
-                   "off-policy correction and mismatch/*)")
+                   "no support); set rollout.sampling_replay=auto or off")
     if replay and r.top_k == 1:
         out.append("rollout.sampling_replay=on with rollout.top_k=1: every support is one token, so every log-prob "
                    "is 0 and nothing trains; set rollout.sampling_replay=auto or off")

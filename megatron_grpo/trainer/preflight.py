@@ -18,8 +18,9 @@ fp32, 0.088 for bf16; a sound pair is far below it, a bug far above):
 4. engine vs itself: the first prompt generated alone and inside the batch (same seed); the
    largest |log-prob difference| over the tokens both produced before they diverge.
 
-"Engine log-prob" is the one of the distribution the trainer computes: the truncated one with
-sampling replay, the full one without. The trainer at TP=1 against the recipe's TP: with the local
+"Engine log-prob" is the one of the distribution the trainer computes (TrainSample.rollout_logprobs):
+the truncated one with sampling replay, the full one without; the truncation bias itself is what
+mismatch/* shows during training. The trainer at TP=1 against the recipe's TP: with the local
 engine (an HF model in one process) check 1 is that comparison; with SGLang it compares the
 engine's TP with the trainer's. No TP=1 copy of the trainer is built (where TP is needed it would
 not fit); tests/test_trainer_e2e.py holds every layout to one process.
@@ -77,9 +78,11 @@ def run_preflight(run, version: int) -> list[PreflightCheck]:
     """The four checks on this run (collective: every rank). The engine holds weight version
     `version` (the policy's weights) before and after; the prompts come from a copy of the sampler,
     so training sees the same data as without a preflight."""
+    from megatron_grpo.trainer.loop import rollout_settings
+
     cfg = run.config
     bound = mismatch_bound(run.dtype)
-    settings = _preflight_settings(cfg)
+    settings = rollout_settings(cfg)
     prompts = copy.deepcopy(run.sampler) if run.is_main else None
     rounds, samples = [], []
     for _ in range(cfg.trainer.preflight_rounds):
@@ -123,20 +126,6 @@ def check_before_training(run, version: int) -> dict[str, float]:
         failed = ", ".join(c.name for c in checks if not c.ok)
         raise PreflightFailed(f"preflight failed ({failed}; bound sqrt(eps) of {run.dtype}):\n{table}")
     return {f"preflight/{c.name.replace(' ', '_').replace(':', '')}": c.figure for c in checks}
-
-
-def _preflight_settings(cfg):
-    """The recipe's rollout settings; with truncated sampling but replay off, untruncated sampling
-    (the trainer then computes the distribution the engine reports: the check is of numerics and
-    sync, not of the truncation bias, which mismatch/* shows during training)."""
-    from megatron_grpo.config.derived import sampling_replay_enabled
-    from megatron_grpo.trainer.loop import rollout_settings
-
-    settings = rollout_settings(cfg)
-    if settings.sampling.truncated and not sampling_replay_enabled(cfg):
-        full = dataclasses.replace(settings.sampling, top_p=1.0, top_k=-1, min_p=0.0)
-        settings = dataclasses.replace(settings, sampling=full)
-    return settings
 
 
 def _rollout(run, prompts, settings) -> list[TrainSample]:

@@ -155,3 +155,18 @@ def engine_parameter_checksums(url: str, names) -> list[dict[str, str]]:
     """engine_checksums restricted to `names` (its buffers, e.g. rotary tables, never change);
     a name the engine does not report maps to None."""
     return [{name: rank.get(name) for name in names} for rank in engine_checksums(url)]
+
+
+def sglang_sampler_function(name: str):
+    """A torch-only top-level function of SGLang's sampler module, compiled from SGLang's source
+    alone: importing sglang.srt.layers.sampler takes ~10 s and works only in SGLang's venv. A
+    missing SGLang venv fails or skips the caller (sglang_python)."""
+    import ast
+    from typing import Optional
+
+    sglang_python()
+    source = next(SGLANG_PYTHON.parent.parent.glob("lib/python*/site-packages/sglang/srt/layers/sampler.py"))
+    node = next(n for n in ast.parse(source.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    namespace = {"torch": torch, "Optional": Optional}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(source), "exec"), namespace)
+    return namespace[name]

@@ -28,7 +28,7 @@ import torch
 
 # Per-token values placed at the positions that predict response tokens (TrainSample attributes;
 # response_fraction: where in its response the token is, for the mismatch health's position split).
-PER_TOKEN_NAMES = ("old_logprobs", "ref_logprobs", "rollout_logprobs", "response_fraction")
+PER_TOKEN_NAMES = ("old_logprobs", "ref_logprobs", "rollout_logprobs", "behaviour_logprobs", "response_fraction")
 
 
 @dataclass
@@ -38,7 +38,13 @@ class TrainSample:
     prompt_ids: list[int]
     response_ids: list[int]
     advantage: float
+    # The engine's log-probs of the distribution the trainer computes (actor/logprob_abs_diff_*: do
+    # the two compute the same numbers?); with truncated sampling the truncated one under sampling
+    # replay, else the full one.
     rollout_logprobs: list[float] | None = None
+    # Truncated sampling: the log-probs the tokens were really drawn with (the truncated distribution);
+    # the off-policy correction and mismatch/* compare with these. None: as rollout_logprobs.
+    behaviour_logprobs: list[float] | None = None
     # Filled by the log-prob passes (one value per response token), when needed.
     old_logprobs: list[float] | None = None
     ref_logprobs: list[float] | None = None

@@ -151,7 +151,8 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
     metrics["rollout/weight_version_max"] = float(max(s.weight_version for s in kept_samples))
     metrics.update(advantage_metrics(advantages))
     train_samples = [TrainSample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
-                                 advantage=float(a), rollout_logprobs=list(s.sampled_logprobs),
+                                 advantage=float(a), rollout_logprobs=_engine_logprobs(s, settings),
+                                 behaviour_logprobs=s.behaviour_logprobs,
                                  routed_experts=_routes(s) if settings.routing_replay else None,
                                  response_mask=mask, sampling_support=_support(s, settings), engine=s.engine)
                      for s, a, mask in zip(kept_samples, advantages.tolist(), kept_masks)]
@@ -223,7 +224,7 @@ def run_multi_turn(engine, prompts, tokenizer, mt: MultiTurnSettings, sampling: 
                                               keep_kv=turn.turn + 1 < mt.limits.max_turns))
         with cuda_redirect_paused() if in_trainer_thread else contextlib.nullcontext():
             samples = engine.generate(requests)
-        return [TurnOutput(s.response_ids, s.sampled_logprobs, s.finish_reason, s.weight_version,
+        return [TurnOutput(s.response_ids, s.logprobs, s.finish_reason, s.weight_version,
                            stopped_by_token=not isinstance(s.matched_stop, str)) for s in samples]
 
     trajectories = run_episodes(records, environments, ChatRenderer(tokenizer, mt.chat_template), mt.limits,
@@ -266,6 +267,12 @@ def _routes(sample: Sample) -> torch.Tensor:
                                 f"sample {sample.group_id!r}/{sample.sample_index} (a MoE model served by an engine "
                                 f"that records its routes: the local engine, or SGLang with return_routed_experts)")
     return torch.as_tensor(sample.routed_experts)
+
+
+def _engine_logprobs(sample: Sample, settings: RolloutSettings) -> list[float]:
+    """The engine's log-probs of the distribution the trainer computes: the truncated one with
+    sampling replay, the full one without (the behaviour log-probs travel on their own)."""
+    return list(sample.sampled_logprobs if settings.sampling_replay else sample.logprobs)
 
 
 def _support(sample: Sample, settings: RolloutSettings) -> list[list[int]] | None:

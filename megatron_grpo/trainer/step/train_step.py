@@ -192,13 +192,15 @@ def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch]
         rows = micro_batch.rows
         logp, entropy, mask = rows(logp), rows(entropy), rows(micro_batch.loss_mask)
         per_token = {name: rows(values) for name, values in micro_batch.per_token.items()}
+        # what the tokens were really sampled with (the truncated distribution when sampling was)
+        behaviour = per_token.get("behaviour_logprobs", per_token.get("rollout_logprobs"))
         # One on-policy update per rollout: old == current (detached), so the ratio is exactly 1.
         old = per_token.get("old_logprobs", logp.detach())
         output = compute_grpo_loss(
             logp, old, rows(micro_batch.advantages), mask, batch_info, loss_config,
             ref_log_prob=per_token.get("ref_logprobs"),
             entropy=entropy if need_entropy else None,
-            rollout_log_prob=per_token.get("rollout_logprobs") if needs_rollout else None,
+            rollout_log_prob=behaviour if needs_rollout else None,
             seq_token_counts=micro_batch.row_token_counts)
         metrics = {"actor/loss": output.share, **output.metrics}
         zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
@@ -206,14 +208,14 @@ def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch]
         if "rollout_logprobs" in per_token:
             # engine vs trainer on the weights of the step start (`old`), not the current ones: after
             # the step's first optimizer step the difference would include the update itself
-            delta = torch.where(mask, old - per_token["rollout_logprobs"], zero)
             if mismatch is not None:
+                delta = torch.where(mask, old - behaviour, zero)
                 mismatch.add_rows(micro_batch.sample_indices, delta, mask, per_token["response_fraction"])
-            diff = delta.abs()
+            diff = torch.where(mask, old - per_token["rollout_logprobs"], zero).abs()
             metrics["actor/logprob_abs_diff_mean"] = diff.sum() / max(batch_info.num_valid_tokens, 1)
             metrics["actor/logprob_abs_diff_max"] = diff.max()
             if sample_staleness is not None:
-                metrics.update(_staleness_metrics(micro_batch, old, per_token["rollout_logprobs"], mask, batch_info,
+                metrics.update(_staleness_metrics(micro_batch, old, behaviour, mask, batch_info,
                                                   sample_staleness, with_mean=not off_policy.weighted))
         return output.loss, {k: v.detach().float().cpu() for k, v in metrics.items()}
 
