@@ -35,6 +35,8 @@ COMMANDS: Mapping[str, Command] = MappingProxyType({
     "convert": Command("megatron_grpo.convert.cli:main", "convert checkpoints between HF and Megatron"),
     "doctor": Command("megatron_grpo.doctor.cli:main",
                       "check this node against a recipe's needs: doctor [RECIPE] [key.sub=value ...]"),
+    "plan": Command("megatron_grpo.plan.cli:main",
+                    "simulate every rank's memory for a recipe on a cluster: plan RECIPE --nodes N ..."),
     "export": Command("megatron_grpo.convert.export_cli:main",
                       "a training checkpoint -> HF folder: export RUN_DIR|CHECKPOINT_DIR [--step N] --out HF_DIR"),
 })

@@ -83,11 +83,14 @@ def transformer_config(model_config: ModelArchitecture, layout: ParallelLayout, 
         recompute_granularity=recompute.granularity,
         recompute_method=recompute.method if recompute.granularity == "full" else None,
         recompute_num_layers=recompute.num_layers if recompute.granularity == "full" else None,
-        **moe_config(model_config, layout, grouped_gemm=resolve_backend(backend) == "te"),
+        **moe_config(model_config, layout, grouped_gemm=resolve_backend(backend) == "te",
+                     balanced_routing=backend == "memory-model"),
     )
 
 
-def moe_config(model_config: ModelArchitecture, layout: ParallelLayout, grouped_gemm: bool = False) -> dict:
+
+def moe_config(model_config: ModelArchitecture, layout: ParallelLayout, grouped_gemm: bool = False,
+               balanced_routing: bool = False) -> dict:
     """TransformerConfig's MoE fields for HF Qwen3-MoE's math (nothing for dense models).
 
     Router: HF takes softmax over all experts, then the top-k, renormalised when norm_topk_prob.
@@ -113,7 +116,8 @@ def moe_config(model_config: ModelArchitecture, layout: ParallelLayout, grouped_
         moe_router_load_balancing_type="aux_loss" if coef > 0 else "none",
         moe_aux_loss_coeff=coef * model_config.moe_top_k / len(model_config.moe_layers),
         moe_token_dispatcher_type="alltoall",
-        moe_expert_capacity_factor=None,
+        moe_expert_capacity_factor=1.0 if balanced_routing else None,
+        moe_pad_expert_input_to_capacity=balanced_routing,
         moe_grouped_gemm=grouped_gemm,  # TE's grouped GEMM experts (the TE spec); SequentialMLP otherwise
         moe_permute_fusion=False,
         moe_router_fusion=False,

@@ -19,12 +19,16 @@ from megatron_grpo.optional import available
 
 log = logging.getLogger(__name__)
 
-Backend = Literal["auto", "te", "local"]
+# "memory-model": the local modules with a fused attention's memory instead of the CPU kernel
+# (plan/flash_attention.py), for the memory planner's fake-tensor models; it computes nothing.
+Backend = Literal["auto", "te", "local", "memory-model"]
 
 
 @functools.lru_cache(maxsize=None)
 def resolve_backend(requested: Backend = "auto") -> str:
     """'te' or 'local'; the automatic choice is logged once per process."""
+    if requested == "memory-model":
+        return "local"
     if requested not in ("auto", "te", "local"):
         raise ConfigError(f"model layer backend {requested!r}: expected auto, te or local")
     te_ok = available("transformer_engine")
@@ -50,7 +54,9 @@ def layer_spec(model_config: ModelArchitecture, context_parallel: int = 1, backe
                                              moe_grouped_gemm=sparse)
     spec = copy.deepcopy(local_layer_spec(qk_layernorm=model_config.qk_norm, normalization="RMSNorm",
                                           num_experts=experts))
-    if context_parallel > 1:
+    if backend == "memory-model":
+        from megatron_grpo.plan.flash_attention import FlashAttentionMemoryModel as core_attention
+    elif context_parallel > 1:
         # megatron's local DotProductAttention asserts CP == 1 and refuses packed sequences.
         from megatron_grpo.ops.context_parallel import ContextParallelDotProductAttention as core_attention
     else:

@@ -1,0 +1,47 @@
+"""The memory a GPU's fused attention uses, as a core-attention module for the planner's models.
+
+On a GPU the trainer runs Transformer Engine's fused (flash) attention: forward keeps Q, K, V,
+the output and the fp32 log-sum-exp per query and head for backward; backward allocates dQ, dK,
+dV and an fp32 dQ accumulator. The CPU's local kernel (ops/varlen_attention.py) materialises
+[heads, L, L] fp32 scores instead, which no GPU run holds, so the planner builds its models with
+this module (builder backend "memory-model"). Under context parallelism TE's ring attention keeps
+two K/V chunks in flight (send and receive buffers); they are saved here as well.
+Values are not computed: the planner runs on fake tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_grpo.ops.varlen_attention import PackedDotProductAttention
+
+
+class _FlashAttentionMemory(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, ring_buffers: int):
+        # query [t, h, d]; key / value [t, g, d]
+        out = torch.empty_like(query)
+        lse = torch.empty(query.size(1), query.size(0), dtype=torch.float32, device=query.device)
+        ring = [torch.empty_like(key) for _ in range(2 * ring_buffers)]
+        ctx.save_for_backward(query, key, value, out, lse, *ring)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value = ctx.saved_tensors[:3]
+        accumulator = torch.empty(query.shape, dtype=torch.float32, device=query.device)  # dq_accum
+        grad_query = torch.empty_like(query)
+        del accumulator
+        return grad_query, torch.empty_like(key), torch.empty_like(value), None
+
+
+class FlashAttentionMemoryModel(PackedDotProductAttention):
+    """PackedDotProductAttention's interface, a fused kernel's memory (padded and packed inputs)."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        # padded batches arrive [s, b, h, d]; packed ones [t, h, d] (megatron squeezed b = 1)
+        shape = query.shape
+        q, k, v = (x.reshape(-1, x.size(-2), x.size(-1)) for x in (query, key, value))
+        ring = 1 if self.config.context_parallel_size > 1 else 0
+        context = _FlashAttentionMemory.apply(q, k, v, ring)
+        return context.reshape(*shape[:-2], self.hidden_size_per_partition)

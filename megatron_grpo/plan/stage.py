@@ -1,0 +1,224 @@
+"""Simulate one pipeline stage's rank through a GRPO step with the trainer's own functions, on
+fake tensors, and record its device memory per phase (plan/tracker.py).
+
+The phases, in the order a step runs them once the optimizer state exists (step 2 on):
+  build        the policy chunks (models/builder.py), megatron DDP's grad buffers and the
+               distributed optimizer (trainer/assembly/optimizer.py), whose Adam state appears at
+               its first step: one step on zero gradients creates it, as step 1 would
+  old-log-prob the forward-only pass (trainer/step/train_step.py compute_logprobs) over one
+               micro-batch at the pass's token budget
+  reference    the reference model's forward-only pass; with ref.param_offload its weights are
+               on the device only during the pass (built inside it), else resident from the start
+  train        train_on_mini_batch: forward/backward over the micro-batches a rank holds at once
+               (the first stage of a pipeline keeps up to PP x VPP in flight: PP x VPP + 1 are
+               run), then the optimizer step
+  weight sync  the stage's HF export (convert/export.py) grouped into rollout.weight_bucket_mb
+               buckets as the sync sends them (rollout/sglang/buckets.py)
+Samples are the recipe's longest (max_prompt_length + max_response_length), cut into micro-batches
+by the trainer's planner (trainer/batches/micro_batches.py); with equal lengths the padded layout
+holds exactly the packed tokens, and it is the one simulated (see _micro_batches). Attention is the GPU's: a flash-attention
+memory model (plan/flash_attention.py) stands in for the CPU's O(L^2) local kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_grpo.config.schema import Config
+from megatron_grpo.launch.parallel import ParallelLayout
+from megatron_grpo.models.hf_config import ModelArchitecture
+from megatron_grpo.plan.tracker import MemoryTracker, PhasePeak
+
+# Categories of what stays on the device between phases, in report order.
+RESIDENT = ("parameters", "gradient buffers", "optimizer state", "reference")
+
+
+@dataclass(frozen=True)
+class StageJob:
+    """What one simulated rank needs: the recipe, the model, the layout and the world size."""
+
+    cfg: Config
+    arch: ModelArchitecture
+    layout: ParallelLayout
+    world_size: int
+    dtype: torch.dtype = torch.bfloat16
+    train_micro_batches: int | None = None  # None: as many as a rank holds at once (PP x VPP + 1)
+
+
+@dataclass
+class StageMemory:
+    stage: int
+    rank: int
+    phases: list[PhasePeak]
+    resident: dict[str, int]  # after build: parameters, gradient buffers, optimizer state, reference
+    parameters: int  # numel of this rank's policy parameters
+    micro_batch_tokens: int
+    train_micro_batches: int
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> PhasePeak:
+        return max(self.phases, key=lambda p: p.peak_bytes)
+
+
+def simulate_stage(job: StageJob, stage: int) -> StageMemory:
+    from megatron_grpo.plan.fake_rank import fake_rank, first_rank_of_stage
+
+    rank = first_rank_of_stage(job.world_size, job.layout, stage)
+    start = time.perf_counter()
+    with fake_rank(job.world_size, rank, job.layout):
+        memory = _run_phases(job, stage, rank)
+    memory.seconds = time.perf_counter() - start
+    return memory
+
+
+def _recompute(cfg: Config):
+    from megatron_grpo.models.builder import Recompute
+
+    m = cfg.model
+    return Recompute(granularity=None if m.recompute_granularity == "none" else m.recompute_granularity,
+                     method=m.recompute_method, num_layers=m.recompute_num_layers)
+
+
+def _run_phases(job: StageJob, stage: int, rank: int) -> StageMemory:
+    from megatron_grpo.models.builder import build_model, build_reference_model
+    from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
+    from megatron_grpo.trainer.setup import kl_reference_needed
+
+    cfg, arch = job.cfg, job.arch
+    tracker = MemoryTracker(answer_scalar_reads=True)
+    device = torch.device("cpu")
+    with tracker:
+        with tracker.phase("build policy", "parameters"):
+            chunks = build_model(arch, job.layout, dtype=job.dtype, recompute=_recompute(cfg),
+                                 fp32_lm_head=cfg.model.fp32_lm_head, backend="memory-model")
+        parameters = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+        with tracker.phase("build DDP grad buffers", "gradient buffers"):
+            policy = wrap_with_ddp(chunks, cfg.parallel.use_distributed_optimizer)
+            # DDP moved the weights into its contiguous param buffer: that buffer is parameters
+            tracker.track([p for chunk in policy for p in chunk.parameters()], "parameters")
+        with tracker.phase("build optimizer", "optimizer state"):
+            optimizer, _ = build_optimizer(policy, OptimizerSettings(
+                lr=1e-6, grad_clip=cfg.actor.grad_clip or 0.0,
+                use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+                bf16=job.dtype == torch.bfloat16))
+            optimizer.step()  # Adam's state is created at the first step
+        reference = None
+        with_reference = kl_reference_needed(cfg)
+        if with_reference and not cfg.ref.param_offload:
+            with tracker.phase("build reference", "reference"):
+                reference = build_reference_model(arch, job.layout, dtype=job.dtype, backend="memory-model",
+                                                  fp32_lm_head=cfg.model.fp32_lm_head)
+        resident = {k: v for k, v in tracker.by_category.items() if k in RESIDENT and v}
+
+        count = job.train_micro_batches or _in_flight(job.layout)
+        samples = _longest_samples(cfg, count)
+        passes = _micro_batches(cfg, arch, samples, purpose="old_logprobs", count=1)
+        with tracker.phase("old-log-prob pass", "activations"):
+            _forward_only(policy, passes, cfg, arch, device)
+        if with_reference:
+            with tracker.phase("reference pass", "activations"):
+                if reference is None:  # ref.param_offload: its weights come in for the pass only
+                    with tracker.phase("reference in", "reference"):
+                        offloaded = build_reference_model(arch, job.layout, dtype=job.dtype,
+                                                          backend="memory-model",
+                                                          fp32_lm_head=cfg.model.fp32_lm_head)
+                    _forward_only(offloaded, _micro_batches(cfg, arch, samples, "ref_logprobs", 1), cfg, arch,
+                                  device)
+                    del offloaded
+                else:
+                    _forward_only(reference, _micro_batches(cfg, arch, samples, "ref_logprobs", 1), cfg, arch,
+                                  device)
+        train = _micro_batches(cfg, arch, samples, purpose="train", count=count)
+        with tracker.phase("train forward/backward + optimizer step", "activations"):
+            _train(policy, optimizer, train, cfg, arch, device)
+        with tracker.phase("weight-sync export", "sync buckets"):
+            _export(policy, cfg, arch)
+    phases = [p for p in tracker.phases if p.phase != "reference in"]
+    return StageMemory(stage=stage, rank=rank, phases=phases, resident=resident, parameters=parameters,
+                       micro_batch_tokens=max(mb.processed_tokens for mb in train),
+                       train_micro_batches=len(train))
+
+
+def _in_flight(layout: ParallelLayout) -> int:
+    """Micro-batches whose activations the first pipeline stage can hold at once, plus one."""
+    return layout.pipeline * (layout.virtual_pipeline or 1) + 1 if layout.pipeline > 1 else 1
+
+
+def _longest_samples(cfg: Config, micro_batches: int):
+    """Samples of the recipe's longest length, enough for `micro_batches` full micro-batches on
+    every data-parallel rank (their values size nothing)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.config.derived import sampling_replay_enabled
+    from megatron_grpo.trainer.batches.batching import TrainSample
+    from megatron_grpo.trainer.setup import kl_reference_needed
+
+    prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
+    length = prompt + response
+    if cfg.actor.max_tokens_per_micro_batch is not None:
+        per_micro_batch = max(1, cfg.actor.max_tokens_per_micro_batch // length)
+    else:
+        per_micro_batch = cfg.actor.ppo_micro_batch_size_per_gpu or 1
+    count = per_micro_batch * micro_batches * ps.get_data_parallel_world_size()
+    support = max(cfg.rollout.top_k, 1) if sampling_replay_enabled(cfg) else None
+    with_ref = kl_reference_needed(cfg)
+    return [TrainSample(prompt_ids=[1] * prompt, response_ids=[1] * response, advantage=1.0,
+                        rollout_logprobs=[-1.0] * response, old_logprobs=[-1.0] * response,
+                        ref_logprobs=[-1.0] * response if with_ref else None,
+                        sampling_support=[[1] * support] * response if support else None)
+            for _ in range(count)]
+
+
+def _micro_batches(cfg: Config, arch: ModelArchitecture, samples, purpose: str, count: int):
+    """This rank's first `count` micro-batches of one mini-batch made of `samples`."""
+    from megatron_grpo.trainer.batches.micro_batches import (MicroBatching, ParallelShape, attention_cost_weight,
+                                                             plan)
+
+    # Every sample has the same length, so the padded layout holds exactly the packed tokens; the
+    # packed one splits per sequence by cu_seqlens values (rope, attention), which fake tensors lack.
+    batching = dataclasses.replace(MicroBatching.from_config(cfg, purpose, attention_cost_weight(arch)),
+                                   mini_batch_size=len(samples), packing=False)
+    micro_batches = plan(samples, batching, ParallelShape.current(cfg.parallel.sequence_parallel))[0]
+    if len(micro_batches) < count:
+        raise ValueError(f"{len(samples)} samples made {len(micro_batches)} micro-batches, {count} wanted")
+    return micro_batches[:count]
+
+
+def _forward_only(chunks, micro_batches, cfg: Config, arch: ModelArchitecture, device) -> None:
+    from megatron_grpo.trainer.step.train_step import compute_logprobs
+
+    compute_logprobs(chunks, micro_batches, temperature=cfg.rollout.temperature, vocab_size=arch.vocab_size,
+                     device=device)
+
+
+def _train(policy, optimizer, micro_batches, cfg: Config, arch: ModelArchitecture, device) -> None:
+    from megatron_grpo.trainer.loop import global_batch_info, grpo_loss_config
+    from megatron_grpo.trainer.step.train_step import train_on_mini_batch
+
+    train_on_mini_batch(policy, optimizer, micro_batches, loss_config=grpo_loss_config(cfg),
+                        batch_info=global_batch_info(micro_batches, cfg), temperature=cfg.rollout.temperature,
+                        vocab_size=arch.vocab_size, device=device, need_entropy=True)
+
+
+def _export(policy, cfg: Config, arch: ModelArchitecture) -> None:
+    """The stage's tensors as the weight sync streams them: one bucket alive at a time."""
+    from megatron_grpo.convert.export import export_hf_weights
+    from megatron_grpo.rollout.sglang.buckets import iter_buckets
+
+    for bucket in iter_buckets(export_hf_weights(policy, arch), cfg.rollout.weight_bucket_mb * 2**20):
+        del bucket
+
+
+def bytes_per_parameter(dtype: torch.dtype, distributed_optimizer: bool, dp: int) -> dict[str, float]:
+    """The analytic resident terms per parameter of a rank (megatron DDP with fp32 grad buffers,
+    Adam with fp32 main params and two fp32 moments, sharded over DP by the distributed optimizer)."""
+    weight = torch.finfo(dtype).bits // 8
+    optimizer = (4 + 4 + 4) if dtype != torch.float32 else (4 + 4)  # bf16: fp32 main copy + m + v
+    return {"parameters": weight, "gradient buffers": 4.0,
+            "optimizer state": optimizer / (dp if distributed_optimizer else 1)}
+
