@@ -106,7 +106,7 @@ def test_config_keys_lists_every_leaf_with_its_default(capsys):
 
 
 def test_subcommands_are_registered_lazily():
-    assert set(COMMANDS) == {"train", "eval", "convert", "export", "doctor"}
+    assert set(COMMANDS) == {"train", "eval", "convert", "export", "doctor", "plan"}
     assert COMMANDS["train"].target == "megatron_grpo.trainer.main:main"
     with pytest.raises(TypeError):
         COMMANDS["x"] = Command("a:b", "")  # type: ignore[index]  # the table is read-only
@@ -163,7 +163,7 @@ def test_show_requires_a_recipe(capsys):
     assert "the following arguments are required: recipe" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [["train"], ["eval"], ["convert"], ["export"], ["doctor"], ["config"],
+@pytest.mark.parametrize("command", [["train"], ["eval"], ["convert"], ["export"], ["doctor"], ["plan"], ["config"],
                                      ["config", "show"], ["config", "keys"], ["config", "from-verl"],
                                      ["config", "verl-keys"]])
 def test_help_on_every_subcommand(command, capsys):

@@ -353,6 +353,9 @@ class TrainerConfig:
     # round trip, the trainer and the engine against themselves); the run stops (exit 1) on a failure.
     preflight: bool = False
     preflight_rounds: int = 3  # rollouts at learning rate 0
+    # On CUDA, before any model is built: simulate every pipeline stage's memory on this job's GPUs
+    # (megatron-grpo plan, cached per recipe and layout) and stop (exit 2) when the peak does not fit.
+    memory_plan: bool = True
 
 
 @dataclass(frozen=True)

@@ -68,10 +68,15 @@ HUB_CONFIGS = "hub_configs.json"
 
 def model_config_dict(cfg: Config) -> tuple[dict[str, Any], str]:
     """The HF config.json fields of model.path (a local folder or file, else a model this package
-    ships the config of), with model.override_config on top, and where they came from."""
+    ships the config of; without a path, the from-scratch model's), with model.override_config on
+    top, and where they came from."""
     from megatron_grpo.config.model_dims import hf_config_file
 
     file = hf_config_file(cfg.model)
+    if cfg.model.path is None:  # a model built from scratch (trainer/assembly/initial_model.py)
+        from megatron_grpo.trainer.assembly.initial_model import initial_config_source, initial_hf_config
+
+        return initial_hf_config(cfg).to_dict(), initial_config_source(cfg)
     if file is not None:
         try:
             fields = json.loads(Path(file).read_text(encoding="utf-8"))

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from megatron_grpo.ops.varlen_attention import PackedDotProductAttention
+
+
+def _module_base():
+    from megatron.core.transformer.module import MegatronModule
+
+    return MegatronModule
 
 
 class _FlashAttentionMemory(torch.autograd.Function):
@@ -34,14 +39,24 @@ class _FlashAttentionMemory(torch.autograd.Function):
         return grad_query, torch.empty_like(key), torch.empty_like(value), None
 
 
-class FlashAttentionMemoryModel(PackedDotProductAttention):
-    """PackedDotProductAttention's interface, a fused kernel's memory (padded and packed inputs)."""
+class FlashAttentionMemoryModel(_module_base()):
+    """megatron's core-attention interface (constructor and forward), a fused kernel's memory;
+    padded and packed inputs, any context-parallel size."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        from megatron.core import parallel_state as ps
+
+        tp_size = ps.get_tensor_model_parallel_world_size()
+        self.hidden_size_per_partition = config.kv_channels * config.num_attention_heads // tp_size
+        self.ring_buffers = 1 if config.context_parallel_size > 1 else 0
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         # padded batches arrive [s, b, h, d]; packed ones [t, h, d] (megatron squeezed b = 1)
         shape = query.shape
         q, k, v = (x.reshape(-1, x.size(-2), x.size(-1)) for x in (query, key, value))
-        ring = 1 if self.config.context_parallel_size > 1 else 0
-        context = _FlashAttentionMemory.apply(q, k, v, ring)
+        context = _FlashAttentionMemory.apply(q, k, v, self.ring_buffers)
         return context.reshape(*shape[:-2], self.hidden_size_per_partition)

@@ -47,11 +47,11 @@ def render(plan: RecipePlan, recipe: str) -> str:
         e = plan.engines
         flight = "the whole step in flight" if e.step_in_flight else \
             f"{e.capacity_tokens * 100 // max(e.step_tokens_per_engine, 1)}% of the step in flight at once"
+        length = e.step_tokens_per_engine // max(e.sequences_per_engine, 1)
         lines += ["", f"engines: {e.engines} x tp {e.tp_size}: weights {gib(e.weights_per_gpu)} GiB per GPU, "
                       f"KV pool {gib(max(e.kv_pool_per_gpu, 0))} GiB per GPU "
-                      f"({e.kv_bytes_per_token_per_gpu // 1024} KiB per token) = {e.capacity_tokens:,} tokens per engine; "
-                      f"the step: {e.sequences_per_engine} sequences x {e.step_tokens_per_engine // max(e.sequences_per_engine, 1)}"
-                      f" tokens per engine -> {flight}"]
+                      f"({e.kv_bytes_per_token_per_gpu // 1024} KiB per token) = {e.capacity_tokens:,} tokens per "
+                      f"engine; the step: {e.sequences_per_engine} sequences x {length} tokens per engine -> {flight}"]
         if not e.fits:
             lines.append("  the weights alone exceed rollout.sglang.mem_fraction of a GPU: raise tp_size")
     if plan.sync is not None:

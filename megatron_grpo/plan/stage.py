@@ -16,8 +16,9 @@ The phases, in the order a step runs them once the optimizer state exists (step 
                buckets as the sync sends them (rollout/sglang/buckets.py)
 Samples are the recipe's longest (max_prompt_length + max_response_length), cut into micro-batches
 by the trainer's planner (trainer/batches/micro_batches.py); with equal lengths the padded layout
-holds exactly the packed tokens, and it is the one simulated (see _micro_batches). Attention is the GPU's: a flash-attention
-memory model (plan/flash_attention.py) stands in for the CPU's O(L^2) local kernel.
+holds exactly the packed tokens, and it is the one simulated (see _micro_batches). Attention is the
+GPU's: a flash-attention memory model (plan/flash_attention.py) stands in for the CPU's O(L^2)
+local kernel.
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class StageMemory:
     phases: list[PhasePeak]
     resident: dict[str, int]  # after build: parameters, gradient buffers, optimizer state, reference
     parameters: int  # numel of this rank's policy parameters
+    buffer_numel: int  # DDP's contiguous buffers (parameters padded per bucket for DP sharding)
     micro_batch_tokens: int
     train_micro_batches: int
     seconds: float = 0.0
@@ -66,12 +68,14 @@ class StageMemory:
 
 
 def simulate_stage(job: StageJob, stage: int) -> StageMemory:
+    """The phases on fake tensors, as the first rank of `stage` of a job of job.world_size ranks
+    (in this process; torch.distributed must not be initialised)."""
     from megatron_grpo.plan.fake_rank import fake_rank, first_rank_of_stage
 
     rank = first_rank_of_stage(job.world_size, job.layout, stage)
     start = time.perf_counter()
     with fake_rank(job.world_size, rank, job.layout):
-        memory = _run_phases(job, stage, rank)
+        memory = run_stage_phases(job, stage, rank, fake=True)
     memory.seconds = time.perf_counter() - start
     return memory
 
@@ -84,13 +88,15 @@ def _recompute(cfg: Config):
                      method=m.recompute_method, num_layers=m.recompute_num_layers)
 
 
-def _run_phases(job: StageJob, stage: int, rank: int) -> StageMemory:
+def run_stage_phases(job: StageJob, stage: int, rank: int, fake: bool) -> StageMemory:
+    """The phases under megatron's current parallel state, on fake tensors (inside fake_rank) or
+    on real ones (the validation: a real gloo job at shapes a CPU holds, same tracker)."""
     from megatron_grpo.models.builder import build_model, build_reference_model
     from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
     from megatron_grpo.trainer.setup import kl_reference_needed
 
     cfg, arch = job.cfg, job.arch
-    tracker = MemoryTracker(answer_scalar_reads=True)
+    tracker = MemoryTracker(answer_scalar_reads=fake)
     device = torch.device("cpu")
     with tracker:
         with tracker.phase("build policy", "parameters"):
@@ -101,6 +107,7 @@ def _run_phases(job: StageJob, stage: int, rank: int) -> StageMemory:
             policy = wrap_with_ddp(chunks, cfg.parallel.use_distributed_optimizer)
             # DDP moved the weights into its contiguous param buffer: that buffer is parameters
             tracker.track([p for chunk in policy for p in chunk.parameters()], "parameters")
+        buffer_numel = sum(b.numel for chunk in policy for b in chunk.buffers + chunk.expert_parallel_buffers)
         with tracker.phase("build optimizer", "optimizer state"):
             optimizer, _ = build_optimizer(policy, OptimizerSettings(
                 lr=1e-6, grad_clip=cfg.actor.grad_clip or 0.0,
@@ -140,6 +147,7 @@ def _run_phases(job: StageJob, stage: int, rank: int) -> StageMemory:
             _export(policy, cfg, arch)
     phases = [p for p in tracker.phases if p.phase != "reference in"]
     return StageMemory(stage=stage, rank=rank, phases=phases, resident=resident, parameters=parameters,
+                       buffer_numel=buffer_numel,
                        micro_batch_tokens=max(mb.processed_tokens for mb in train),
                        train_micro_batches=len(train))
 

@@ -171,6 +171,11 @@ def build_run(cfg: Config) -> Run:
                             expert_tensor=cfg.parallel.expert_tensor)
     initialize_model_parallel(layout, seed=cfg.trainer.seed)
     device, dtype = resolve_device(cfg)
+    if device.type == "cuda" and cfg.trainer.memory_plan:  # refuse a layout that cannot fit, before any GPU work
+        from megatron_grpo.trainer.assembly.memory_check import check_memory_plan
+
+        gpu_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        on_rank0(check_memory_plan, cfg, dist.get_world_size(), gpu_gib)
     output_dir = Path(cfg.logging.output_dir)
     # The folder's rules and the definitions of the checkpoints a resume may load, before
     # initial_model/ is (re)built; every check of a resume happens before the policy is built.

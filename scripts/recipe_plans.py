@@ -1,0 +1,68 @@
+"""Plans every shipped sbatch recipe on its own cluster shape (the #SBATCH header) and writes
+tests/data/recipe_plans.json (tests/test_memory_plan.py checks the recipes' memory comments and
+one plan against it) and the README's table (markdown, to stdout).
+
+    .venv/bin/python scripts/recipe_plans.py            # ~4 min on 2 cores
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "tests" / "data" / "recipe_plans.json"
+GPU_SIZES_GIB = (80, 141)  # H100, H200
+
+
+def sbatch_clusters() -> dict[str, tuple[int, int]]:
+    """{recipe: (nodes, gpus per node)} from slurm/grpo_*.sh (the tiny CPU script aside)."""
+    out = {}
+    for script in sorted((REPO / "slurm").glob("grpo_*.sh")):
+        text = script.read_text()
+        recipe = re.search(r': "\$\{RECIPE:=(\w+)\}"', text)
+        nodes = re.search(r"#SBATCH --nodes=(\d+)", text)
+        gpus = re.search(r"#SBATCH --gpus-per-node=(\d+)", text)
+        if recipe and nodes and gpus and "tiny" not in recipe.group(1):
+            out[recipe.group(1)] = (int(nodes.group(1)), int(gpus.group(1)))
+    return out
+
+
+def main() -> int:
+    from megatron_grpo.config import load_config
+    from megatron_grpo.plan.cli import quiet_third_party
+    from megatron_grpo.plan.cluster import Cluster
+    from megatron_grpo.plan.recipe_plan import plan_recipe
+    from megatron_grpo.plan.summary import summary
+
+    quiet_third_party()
+    plans = {}
+    for recipe, (nodes, gpus) in sbatch_clusters().items():
+        print(f"{recipe}: {nodes} nodes x {gpus} GPUs", file=sys.stderr, flush=True)
+        plan = plan_recipe(load_config(recipe), Cluster(nodes, gpus, GPU_SIZES_GIB[0]))
+        plans[recipe] = {"nodes": nodes, "gpus_per_node": gpus, **summary(plan)}
+        plans[recipe]["fits_gib"] = {str(size): max(s["peak_bytes"] for s in plans[recipe]["stages"])
+                                     <= (size - plan.cluster.reserve_gb) * 2**30 for size in GPU_SIZES_GIB}
+    OUT.write_text(json.dumps(plans, indent=1, sort_keys=True) + "\n")
+    print(markdown(plans))
+    return 0
+
+
+def markdown(plans: dict) -> str:
+    gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
+    rows = ["| recipe (nodes x GPUs) | trainer layout | per-stage peak GiB (phase) | engine KV tokens / step tokens "
+            "per engine | sync GiB | 80 / 141 GiB |", "|---|---|---|---|---|---|"]
+    for recipe, p in plans.items():
+        peaks = "; ".join(f"{gib(s['peak_bytes'])} ({s['peak_phase'].split(' ')[0]})" for s in p["stages"])
+        e = p["engines"]
+        kv = f"{e['capacity_tokens'] / 1e3:.0f}k / {e['step_tokens_per_engine'] / 1e3:.0f}k" if e else "-"
+        sync = gib(p["sync"]["model_bytes"]) if p["sync"] else "-"
+        fits = " / ".join("fits" if p["fits_gib"][str(s)] else "no" for s in GPU_SIZES_GIB)
+        rows.append(f"| {recipe} ({p['nodes']}x{p['gpus_per_node']}) | {p['placement']['trainer_gpus']} GPUs, "
+                    f"{p['placement']['kind']} engines | {peaks} | {kv} | {sync} | {fits} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
