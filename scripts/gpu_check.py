@@ -16,7 +16,8 @@ figures and its own name and error:
   pytest  pytest -m gpu tests/test_gpu.py: ops vs float64 dense torch, bf16 GPTModel vs fp32,
           local engine on the device and the training-inference log-prob mismatch
   bench   benchmarks/bench_gpu.py: train-step MFU (Qwen3-1.7B shape), log-prob kernel bandwidth
-          vs HBM and a device copy, log-prob peak memory vs dense fp32, generation tokens/s
+          vs HBM and a device copy, log-prob peak memory vs dense fp32, generation tokens/s, and the
+          memory planner's simulated peak of the train step vs torch.cuda.max_memory_allocated
   grpo    a 10-step GRPO run of a Qwen3-0.6B-shaped random model with the local engine: invariants
           and the step-time breakdown
 A part's box is its nominal seconds plus whatever earlier parts left unused, so the whole run ends
@@ -415,8 +416,8 @@ def part_bench(ctx: Context, box_s: float) -> PartResult:
     status, result.seconds = run_process(command, log, box_s, ctx.env())
     data = json.loads(report.read_text()) if report.is_file() else {}
     raw = data.get("raw", {})
-    result.figures = {key: raw.get(key) for key in ("train", "logprob", "memory", "generation", "targets", "errors",
-                                                    "running", "wall_seconds")}
+    result.figures = {key: raw.get(key) for key in ("train", "logprob", "memory", "generation", "plan", "targets",
+                                                    "errors", "running", "wall_seconds")}
     for row in data.get("rows", []):
         against = f" = {row['fraction']} of {row['peak']}" if row.get("fraction", "n/a") != "n/a" else ""
         result.rows.append([f"{row['section']}: {row['setting']}", row["measured"] + against, row.get("target", ""),

@@ -1,8 +1,9 @@
-"""Plans every shipped sbatch recipe on its own cluster shape (the #SBATCH header) and writes
-tests/data/recipe_plans.json (tests/test_memory_plan.py checks the recipes' memory comments and
-one plan against it) and the README's table (markdown, to stdout).
+"""Plans every shipped sbatch recipe on its own cluster shape (the #SBATCH header), writes
+tests/data/recipe_plans.json, rewrites each recipe's "-> memory plan" comment from it (the test
+tests/test_memory_plan.py checks they agree) and prints the README's table (markdown).
 
-    .venv/bin/python scripts/recipe_plans.py            # ~4 min on 2 cores
+    .venv/bin/python scripts/recipe_plans.py                   # ~4 min on 2 cores
+    .venv/bin/python scripts/recipe_plans.py --from-json       # comments + table from the JSON only
 """
 from __future__ import annotations
 
@@ -29,7 +30,32 @@ def sbatch_clusters() -> dict[str, tuple[int, int]]:
     return out
 
 
+def plan_comment(recipe: str, plan: dict) -> str:
+    """The two comment lines a recipe carries (recipes/<recipe>.yaml)."""
+    stage = max(plan["stages"], key=lambda s: s["peak_bytes"])
+    host = max(s["save_host_bytes"] for s in plan["stages"])
+    return (f"#   -> memory plan (megatron-grpo plan {recipe} --nodes {plan['nodes']}, GPUs of 80 GiB): peak "
+            f"{stage['peak_bytes'] / 2**30:.1f} GiB per GPU\n"
+            f"#      (stage {stage['stage'] + 1}, {stage['peak_phase']}); a save also holds {host / 2**30:.0f} GiB "
+            f"of host memory per GPU\n")
+
+
+def write_comments(plans: dict) -> None:
+    for recipe, plan in plans.items():
+        path = REPO / "megatron_grpo" / "recipes" / f"{recipe}.yaml"
+        text = path.read_text()
+        new, count = re.subn(r"#   -> memory plan \(.*\n#      \(.*\n", lambda _: plan_comment(recipe, plan), text)
+        if count != 1:
+            raise SystemExit(f"{path}: expected one '#   -> memory plan (' comment of two lines, found {count}")
+        path.write_text(new)
+
+
 def main() -> int:
+    if "--from-json" in sys.argv[1:]:
+        plans = json.loads(OUT.read_text())
+        write_comments(plans)
+        print(markdown(plans))
+        return 0
     from megatron_grpo.config import load_config
     from megatron_grpo.plan.cli import quiet_third_party
     from megatron_grpo.plan.cluster import Cluster
@@ -45,6 +71,7 @@ def main() -> int:
         plans[recipe]["fits_gib"] = {str(size): max(s["peak_bytes"] for s in plans[recipe]["stages"])
                                      <= (size - plan.cluster.reserve_gb) * 2**30 for size in GPU_SIZES_GIB}
     OUT.write_text(json.dumps(plans, indent=1, sort_keys=True) + "\n")
+    write_comments(plans)
     print(markdown(plans))
     return 0
 

@@ -78,7 +78,7 @@ def test_bench_gpu_dry_run_prints_every_section(tmp_path):
     proc = _run(str(BENCH / "bench_gpu.py"), "--dry-run", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     for section in ("| train step |", "| log-prob kernels |", "| log-prob peak memory |",
-                    "| local engine generation |"):
+                    "| local engine generation |", "| memory plan vs measured |"):
         assert section in proc.stdout
     data = json.loads(out.read_text())
     raw = data["raw"]
@@ -87,8 +87,9 @@ def test_bench_gpu_dry_run_prints_every_section(tmp_path):
     assert raw["generation"]["generated"] == 2 * 2 * 4  # EOS disabled: every row decodes all tokens
     assert set(raw["memory"]) == {"a", "cH", "ratio"} and raw["memory"]["a"]["logits_bytes"] == 64 * 2048 * 2
     # no CUDA peak in a CPU dry run: MFU is not judged; the other targets are, from their measured values
-    assert raw["targets"]["train_mfu"]["met"] is None
+    assert raw["targets"]["train_mfu"]["met"] is None and raw["targets"]["plan_ratio"]["met"] is None
     assert raw["targets"]["logprob_fwd_bwd_vs_copy"]["value"] > 0
+    assert raw["plan"]["simulated"]["peak_bytes"] > 0 and raw["plan"]["measured"] is None
     assert "errors" not in raw and "running" not in raw
     assert [r["section"] for r in data["rows"]].count("log-prob peak memory") == 2
 
@@ -113,6 +114,8 @@ def test_bench_gpu_targets_are_the_issues():
     assert bench_gpu.target_verdict("train_mfu", 0.46, raw) == (">= 45%", "met")
     assert bench_gpu.target_verdict("logprob_fwd_bwd_vs_copy", 0.69, raw) == (">= 70%", "not met")
     assert bench_gpu.target_verdict("logprob_memory_vs_dense", 0.2, raw) == ("<= 0.25x", "met")
+    assert bench_gpu.target_verdict("plan_ratio", 1.08, raw) == ("1 +- 10%", "met")
+    assert bench_gpu.target_verdict("plan_ratio", 0.88, raw) == ("1 +- 10%", "not met")
     assert raw["targets"]["logprob_fwd_bwd_vs_copy"] == dict(value=0.69, target=">= 0.7", met=False)
 
 

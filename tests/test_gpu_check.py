@@ -42,11 +42,12 @@ def test_dry_run_runs_every_part_and_writes_json_and_markdown(tmp_path):
     mismatch = next(t for t in tests if t["name"] == "test_training_inference_logprob_mismatch")
     bf16 = mismatch["properties"]["bf16"]
     assert 0 < bf16["mismatch_mean"] <= bf16["mismatch_max"] and bf16["tokens"] == 3 * 2 * 8
-    # the benchmark's four sections, with the issue's targets judged
+    # the benchmark's five sections, with the issues' targets judged
     bench = parts["bench"]["figures"]
     assert bench["train"]["tokens"] == 2 * 2 * 16 and bench["generation"]["generated"] == 2 * 2 * 4
     assert bench["memory"]["a"]["peak_extra"] >= 0 and not bench["errors"]
-    assert set(bench["targets"]) == {"train_mfu", "logprob_fwd_bwd_vs_copy", "logprob_memory_vs_dense"}
+    assert set(bench["targets"]) == {"train_mfu", "logprob_fwd_bwd_vs_copy", "logprob_memory_vs_dense", "plan_ratio"}
+    assert bench["plan"]["simulated"]["peak_bytes"] > 0
     grpo = parts["grpo"]["figures"]
     assert grpo["steps_logged"] == 3 and all(v["holds"] for v in grpo["invariants"].values())
     assert grpo["median_steps_2_on"]["time/train"] > 0

@@ -49,6 +49,11 @@ def _peaks(memory) -> dict[str, int]:
     return {p.phase: p.peak_bytes for p in memory.phases}
 
 
+def _save(memory) -> dict[str, int]:
+    return {"host": memory.save_host_bytes, "device": memory.save_device_bytes,
+            "local_copy": memory.save_local_copy_bytes, "measured": memory.measured_save_bytes}
+
+
 def _real_then_simulated(rank: int, world_size: int, cases: list[str]):
     """Every case for real on this gloo job; then rank 0 leaves the job and simulates them."""
     from megatron.core import parallel_state
@@ -61,7 +66,8 @@ def _real_then_simulated(rank: int, world_size: int, cases: list[str]):
         job = _job(case, world_size)
         initialize_model_parallel(job.layout)
         stage = parallel_state.get_pipeline_model_parallel_rank()
-        real[case] = _peaks(run_stage_phases(job, stage, rank, fake=False))
+        memory = run_stage_phases(job, stage, rank, fake=False)
+        real[case] = {**_peaks(memory), "save": _save(memory)}
         parallel_state.destroy_model_parallel()
     if rank != 0:
         return real, None
@@ -77,12 +83,23 @@ def real_and_simulated():
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_simulated_peaks_agree_with_the_same_step_run_for_real(case, real_and_simulated):
-    real, simulated = real_and_simulated[0][case], real_and_simulated[1][case]
+    real, simulated = dict(real_and_simulated[0][case]), real_and_simulated[1][case]
+    real.pop("save")
     assert set(real) == set(simulated)
     for phase, measured in real.items():
-        if phase.startswith("build"):  # setup transients (CPU initialisation), not the step
+        if phase.startswith("build") or phase == "checkpoint save":  # setup transients; the save: below
             continue
         assert abs(simulated[phase] - measured) <= 0.10 * measured, (case, phase, simulated[phase], measured)
+
+
+@pytest.mark.parametrize("case", ["dense CP2", "MoE EP2"])  # DP x CP = 2; dense DP 2 + experts' DP 1
+def test_checkpoint_save_arithmetic_matches_megatrons_own_save_state_dict(case, real_and_simulated):
+    """The save's cost (plan/stage.py checkpoint_save_memory: host copies + the GPU all-gather)
+    against megatron's own sharded state dict built for real on CPU, where host and device are one
+    memory and the local shard's .cuda() copy is no copy: host + gather - that copy."""
+    save = real_and_simulated[0][case]["save"]
+    expected = save["host"] + save["device"] - save["local_copy"]
+    assert abs(save["measured"] - expected) <= 0.10 * expected, save
 
 
 def test_resident_terms_equal_bytes_per_parameter():
@@ -112,7 +129,8 @@ def test_an_oversized_layout_is_refused_in_one_line(tmp_path):
     summary = json.loads(out.read_text())
     assert not summary["fits"]
     assert re.fullmatch(r"does not fit: pipeline stage 1 \(rank 0\) peaks at [\d.]+ GiB of 77\.0 in the .+; "
-                        r"largest term (gradient buffers|optimizer state) [\d.]+ GiB; try parallel\.pipeline=2 .+",
+                        r"largest term (gradient buffers|optimizer state|checkpoint gather) [\d.]+ GiB; "
+                        r"try parallel\.pipeline=2 .+",
                         summary["verdict"])
 
 
@@ -161,10 +179,7 @@ def test_the_recipes_memory_comments_agree_with_their_plans():
     for recipe, plan in plans.items():
         text = (REPO / "megatron_grpo" / "recipes" / f"{recipe}.yaml").read_text()
         stage = max(plan["stages"], key=lambda s: s["peak_bytes"])
-        expected = (f"#   -> memory plan (megatron-grpo plan {recipe} --nodes {plan['nodes']}, GPUs of 80 GiB): peak "
-                    f"{stage['peak_bytes'] / GIB:.1f} GiB per GPU\n"
-                    f"#      (stage {stage['stage'] + 1}, {stage['peak_phase']})")
-        assert expected in text, recipe
+        assert recipe_plans.plan_comment(recipe, plan) in text, recipe
         resident = re.search(r"-> resident[^~\n]*~ ([\d.]+) GB", text)
         simulated = sum(stage["resident_bytes"].values()) / 1e9
         assert resident and abs(float(resident.group(1)) - simulated) <= 0.05 * simulated, (recipe, simulated)

@@ -14,6 +14,8 @@ The phases, in the order a step runs them once the optimizer state exists (step 
                run), then the optimizer step
   weight sync  the stage's HF export (convert/export.py) grouped into rollout.weight_bucket_mb
                buckets as the sync sends them (rollout/sglang/buckets.py)
+  checkpoint   the distributed optimizer's state gathered for a save (checkpoint_save_memory:
+               computed from the simulated buckets, as host and device are one on a CPU)
 Samples are the recipe's longest (max_prompt_length + max_response_length), cut into micro-batches
 by the trainer's planner (trainer/batches/micro_batches.py); with equal lengths the padded layout
 holds exactly the packed tokens, and it is the one simulated (see _micro_batches). Attention is the
@@ -59,6 +61,10 @@ class StageMemory:
     buffer_numel: int  # DDP's contiguous buffers (parameters padded per bucket for DP sharding)
     micro_batch_tokens: int
     train_micro_batches: int
+    save_host_bytes: int = 0
+    save_device_bytes: int = 0
+    save_local_copy_bytes: int = 0
+    measured_save_bytes: int | None = None  # real runs only: the save state dict's host + device peak
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -145,11 +151,25 @@ def run_stage_phases(job: StageJob, stage: int, rank: int, fake: bool) -> StageM
             _train(policy, optimizer, train, cfg, arch, device)
         with tracker.phase("weight-sync export", "sync buckets"):
             _export(policy, cfg, arch)
-    phases = [p for p in tracker.phases if p.phase != "reference in"]
+        save = checkpoint_save_memory(optimizer)
+        measured_save = None
+        if not fake:  # the validation: megatron's own save state dict, host and device together
+            before = tracker.live_bytes
+            with tracker.phase("checkpoint state dict, measured", "checkpoint"):
+                _save_state_dict(policy, optimizer)
+            measured_save = tracker.phases[-1].peak_bytes - before
+        phases = [p for p in tracker.phases if p.phase not in ("reference in", "checkpoint state dict, measured")]
+        resident_live = tracker.live_bytes
+        phases.append(PhasePeak("checkpoint save", peak_bytes=resident_live + save.device_bytes,
+                                by_category={**{k: v for k, v in tracker.by_category.items() if v},
+                                             "checkpoint gather": save.device_bytes},
+                                end_bytes=resident_live))
     return StageMemory(stage=stage, rank=rank, phases=phases, resident=resident, parameters=parameters,
                        buffer_numel=buffer_numel,
                        micro_batch_tokens=max(mb.processed_tokens for mb in train),
-                       train_micro_batches=len(train))
+                       train_micro_batches=len(train), save_host_bytes=save.host_bytes,
+                       save_device_bytes=save.device_bytes, save_local_copy_bytes=save.local_copy_bytes,
+                       measured_save_bytes=measured_save)
 
 
 def _in_flight(layout: ParallelLayout) -> int:
@@ -220,6 +240,48 @@ def _export(policy, cfg: Config, arch: ModelArchitecture) -> None:
 
     for bucket in iter_buckets(export_hf_weights(policy, arch), cfg.rollout.weight_bucket_mb * 2**20):
         del bucket
+
+
+def _save_state_dict(policy, optimizer) -> None:
+    """megatron's sharded state dict of a save, built and dropped (the validation measures it)."""
+    from types import SimpleNamespace
+
+    from megatron_grpo.trainer.state.checkpoint import training_sharded_state_dict
+
+    state = training_sharded_state_dict(SimpleNamespace(policy=policy, optimizer=optimizer), is_loading=False)
+    del state
+
+
+@dataclass(frozen=True)
+class SaveMemory:
+    device_bytes: int  # the largest transient on the GPU while the state dict is built
+    host_bytes: int  # held in host memory by each rank until the write ends
+    local_copy_bytes: int  # of device_bytes: the GPU copy of the local shard (no copy on a CPU)
+
+
+def checkpoint_save_memory(optimizer) -> SaveMemory:
+    """What a save's optimizer state dict costs (megatron-core's DistributedOptimizer,
+    'fully_reshardable', as trainer/state/checkpoint.py saves it): for each grad buffer bucket and
+    each of param / exp_avg / exp_avg_sq, the shards of the optimizer's data-parallel group are
+    all-gathered into fp32 tensors on the GPU (freed after their copy to the host), from a GPU copy
+    of the local shard; every rank keeps the whole gathered state (3 fp32 values per element) and
+    its three local shards on the host, plus two gathered fp32 copies of a bucket while it loops
+    over the state keys (the validation measures all of it). Computed from the simulated optimizer's buckets: on a CPU
+    host and device memory are one, so running the save would not tell them apart."""
+    device, host, local_copy, host_transient = 0, 0, 0, 0
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):  # MoE: dense + expert optimizers
+        if not hasattr(inner, "buffers"):  # not distributed: nothing is gathered
+            continue
+        dp = inner.data_parallel_group.size()
+        for bucket in (bucket for buffer in inner.buffers for bucket in buffer.buckets):
+            world = bucket.grad_data.numel()
+            if 4 * world + 4 * (world // dp) > device:
+                device, local_copy = 4 * world + 4 * (world // dp), 4 * (world // dp)
+            host += 3 * 4 * bucket.numel_unpadded + 3 * 4 * (world // dp)
+            # the previous state key's gathered copies and their concatenation are still referenced
+            # while the next key is gathered
+            host_transient = max(host_transient, 2 * 4 * world)
+    return SaveMemory(device, host + host_transient, local_copy)
 
 
 def bytes_per_parameter(dtype: torch.dtype, distributed_optimizer: bool, dp: int) -> dict[str, float]:

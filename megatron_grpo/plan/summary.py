@@ -20,7 +20,7 @@ def summary(plan: RecipePlan) -> dict:
                     "phases": [{"phase": p.phase, "peak_bytes": p.peak_bytes, "by_category": p.by_category}
                                for p in s.phases],
                     "micro_batch_tokens": s.micro_batch_tokens, "train_micro_batches": s.train_micro_batches,
-                    "seconds": round(s.seconds, 1)} for s in plan.stages],
+                    "save_host_bytes": s.save_host_bytes, "seconds": round(s.seconds, 1)} for s in plan.stages],
         "engines": None if plan.engines is None else dataclasses.asdict(plan.engines),
         "sync": None if plan.sync is None else dataclasses.asdict(plan.sync),
     }
