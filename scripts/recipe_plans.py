@@ -44,7 +44,8 @@ def write_comments(plans: dict) -> None:
     for recipe, plan in plans.items():
         path = REPO / "megatron_grpo" / "recipes" / f"{recipe}.yaml"
         text = path.read_text()
-        new, count = re.subn(r"#   -> memory plan \(.*\n#      \(.*\n", lambda _: plan_comment(recipe, plan), text)
+        comment = plan_comment(recipe, plan)
+        new, count = re.subn(r"#   -> memory plan \(.*\n#      \(.*\n", lambda _: comment, text)
         if count != 1:
             raise SystemExit(f"{path}: expected one '#   -> memory plan (' comment of two lines, found {count}")
         path.write_text(new)

@@ -39,10 +39,9 @@ def render(plan: RecipePlan, recipe: str) -> str:
         f"stage {s.stage + 1}: " + ", ".join(f"{ph.phase} {gib(ph.peak_bytes)}" for ph in s.phases
                                              if not ph.phase.startswith("build"))
         for s in plan.stages))
-    host = max(s.save_host_bytes for s in plan.stages)
-    lines.append(f"  checkpoint save: up to {gib(host)} GiB of host memory per rank "
-                 f"({gib(host * min(c.gpus_per_node, p.trainer_gpus))} GiB per node of {min(c.gpus_per_node, p.trainer_gpus)}"
-                 f" ranks) hold the gathered optimizer state until the write ends")
+    host, ranks = max(s.save_host_bytes for s in plan.stages), min(c.gpus_per_node, p.trainer_gpus)
+    lines.append(f"  checkpoint save: up to {gib(host)} GiB of host memory per rank ({gib(host * ranks)} GiB per "
+                 f"node of {ranks} ranks) hold the gathered optimizer state until the write ends")
     first = plan.stages[0]
     lines.append(f"  train micro-batch: {first.micro_batch_tokens} tokens, {first.train_micro_batches} in flight; "
                  f"budget {gib(c.trainer_budget_bytes)} GiB ({c.gpu_memory_gb:g} less {c.reserve_gb:g} reserved for "
