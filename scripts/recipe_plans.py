@@ -45,7 +45,7 @@ def write_comments(plans: dict) -> None:
         path = REPO / "megatron_grpo" / "recipes" / f"{recipe}.yaml"
         text = path.read_text()
         comment = plan_comment(recipe, plan)
-        new, count = re.subn(r"#   -> memory plan \(.*\n#      \(.*\n", lambda _: comment, text)
+        new, count = re.subn(r"#   -> memory plan \(.*\n#      \(.*\n", comment.replace("\\", r"\\\\"), text)
         if count != 1:
             raise SystemExit(f"{path}: expected one '#   -> memory plan (' comment of two lines, found {count}")
         path.write_text(new)
