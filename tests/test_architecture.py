@@ -31,6 +31,7 @@ ALLOWED = {
     "trainer": {"errors", "optional", "config", "algo", "data", "launch", "ops", "models", "rewards",
                 "environments", "checkpointing", "convert", "rollout"},
     "doctor": {"errors", "config"},
+    "plan": {"errors", "config", "algo", "launch", "ops", "models", "convert", "rollout", "trainer"},
     "cli": {"errors", "config"},
     "train": {"cli"},
 }
@@ -114,7 +115,8 @@ def test_only_convert_knows_hf_parameter_names():
 
 
 THIRD_PARTY = ("megatron", "torch", "transformers", "safetensors", "sglang")
-PATCHING_MODULES = {Path("launch/cpu.py"), Path("launch/lifetime.py"), Path("launch/safe_dcp.py")}
+PATCHING_MODULES = {Path("launch/cpu.py"), Path("launch/lifetime.py"), Path("launch/safe_dcp.py"),
+                    Path("plan/fake_rank.py")}
 
 
 def _patches(tree):

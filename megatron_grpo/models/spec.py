@@ -20,7 +20,7 @@ from megatron_grpo.optional import available
 log = logging.getLogger(__name__)
 
 # "memory-model": the local modules with a fused attention's memory instead of the CPU kernel
-# (plan/flash_attention.py), for the memory planner's fake-tensor models; it computes nothing.
+# (ops/flash_attention_memory.py), for the memory planner's fake-tensor models; it computes nothing.
 Backend = Literal["auto", "te", "local", "memory-model"]
 
 
@@ -55,7 +55,7 @@ def layer_spec(model_config: ModelArchitecture, context_parallel: int = 1, backe
     spec = copy.deepcopy(local_layer_spec(qk_layernorm=model_config.qk_norm, normalization="RMSNorm",
                                           num_experts=experts))
     if backend == "memory-model":
-        from megatron_grpo.plan.flash_attention import FlashAttentionMemoryModel as core_attention
+        from megatron_grpo.ops.flash_attention_memory import FlashAttentionMemoryModel as core_attention
     elif context_parallel > 1:
         # megatron's local DotProductAttention asserts CP == 1 and refuses packed sequences.
         from megatron_grpo.ops.context_parallel import ContextParallelDotProductAttention as core_attention

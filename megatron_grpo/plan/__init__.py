@@ -3,8 +3,9 @@ model and step code on fake tensors (`megatron-grpo plan`; docs/memory-plan.md).
 
   tracker.py          live bytes by phase and category (a TorchDispatchMode)
   fake_rank.py        one rank of a large job in this process (fake process group, fake tensors)
-  flash_attention.py  a fused attention's memory for the simulated layers
-  stage.py            one pipeline stage through the step's phases
+  stage.py            one pipeline stage through the step's phases (attention: a fused kernel's
+                      memory, ops/flash_attention_memory.py)
+  train_step.py       one train step alone (the GPU kit compares it with the CUDA allocator)
   cluster.py          placement on the cluster, the model's config.json (hub_configs.json)
   engines.py          SGLang KV capacity and the weight-sync volume (arithmetic)
   recipe_plan.py      the whole recipe; report.py / summary.py: table, refusal line, JSON

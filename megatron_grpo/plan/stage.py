@@ -19,7 +19,7 @@ The phases, in the order a step runs them once the optimizer state exists (step 
 Samples are the recipe's longest (max_prompt_length + max_response_length), cut into micro-batches
 by the trainer's planner (trainer/batches/micro_batches.py); with equal lengths the padded layout
 holds exactly the packed tokens, and it is the one simulated (see _micro_batches). Attention is the
-GPU's: a flash-attention memory model (plan/flash_attention.py) stands in for the CPU's O(L^2)
+GPU's: a flash-attention memory model (ops/flash_attention_memory.py) stands in for the CPU's O(L^2)
 local kernel.
 """
 from __future__ import annotations
