@@ -34,14 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from megatron_grpo.plan.cluster import Cluster
+    from megatron_grpo.plan.cluster import Cluster, placement
     from megatron_grpo.plan.recipe_plan import plan_recipe
     from megatron_grpo.plan.report import render
     from megatron_grpo.plan.summary import summary
 
     args = build_parser().parse_intermixed_args(argv)
     cfg = load_config(args.recipe, args.overrides)
-    validate(cfg)
     if args.trainer_gpus is not None:
         if args.nodes is not None:
             raise SystemExit("megatron-grpo plan: give --nodes or --trainer-gpus, not both")
@@ -51,6 +50,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         cluster = Cluster(nodes=args.nodes or 1, gpus_per_node=args.gpus_per_node, gpu_memory_gb=args.gpu_memory_gb,
                           link_gbps=args.link_gbps, reserve_gb=args.reserve_gb)
+    if args.trainer_gpus is None:  # (the trainer calls it after its own checks at its real layout)
+        # the trainer's checks at its world size (heads by TP, batches by DP, engines by GPUs, ...)
+        validate(cfg, world_size=placement(cfg, cluster).trainer_gpus, ranks_per_node=cluster.gpus_per_node)
     quiet_third_party()
     plan = plan_recipe(cfg, cluster, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(render(plan, args.recipe), end="")
