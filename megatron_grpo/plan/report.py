@@ -25,16 +25,20 @@ def render(plan: RecipePlan, recipe: str) -> str:
              f"  model: {parameter_count(plan.arch) / 1e9:.1f} B parameters, config from {plan.model_source}",
              "",
              "trainer memory per GPU (GiB), one rank of each pipeline stage, simulated on fake tensors:",
-             f"  {'stage (rank)':14} {'params':>7} {'grads':>7} {'optim':>7} {'ref':>6} {'peak':>7}  phase of the peak"
-             " (largest transient)"]
+             f"  {'stage (rank)':14} {'params':>7} {'grads':>7} {'optim':>7} {'ref':>6} {'act':>6} {'logits':>6} "
+             f"{'peak':>7}  phase of the peak (largest transient)",
+             "  (act, logits: layer activations with the recipe's recompute, and the logits / loss buffers, at the"
+             " train phase's peak)"]
     for stage in plan.stages:
         r, peak = stage.resident, stage.peak
+        train = next(p for p in stage.phases if p.phase.startswith("train"))
         transient = {k: v for k, v in peak.by_category.items() if k not in RESIDENT}
         largest = max(transient.items(), key=lambda kv: kv[1], default=("-", 0))
+        act, logits = train.by_category.get("activations", 0), train.by_category.get("logits/loss", 0)
         lines.append(f"  {f'{stage.stage + 1} ({stage.rank})':14} {gib(r.get('parameters', 0)):>7} "
                      f"{gib(r.get('gradient buffers', 0)):>7} {gib(r.get('optimizer state', 0)):>7} "
-                     f"{gib(peak.by_category.get('reference', 0)):>6} {gib(peak.peak_bytes):>7}  {peak.phase} "
-                     f"({largest[0]} {gib(largest[1])})")
+                     f"{gib(peak.by_category.get('reference', 0)):>6} {gib(act):>6} {gib(logits):>6} "
+                     f"{gib(peak.peak_bytes):>7}  {peak.phase} ({largest[0]} {gib(largest[1])})")
     lines.append("  phases (peak GiB): " + "; ".join(
         f"stage {s.stage + 1}: " + ", ".join(f"{ph.phase} {gib(ph.peak_bytes)}" for ph in s.phases
                                              if not ph.phase.startswith("build"))

@@ -24,9 +24,11 @@ local kernel.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -131,7 +133,7 @@ def run_stage_phases(job: StageJob, stage: int, rank: int, fake: bool) -> StageM
         count = job.train_micro_batches or _in_flight(job.layout)
         samples = _longest_samples(cfg, count)
         passes = _micro_batches(cfg, arch, samples, purpose="old_logprobs", count=1)
-        with tracker.phase("old-log-prob pass", "activations"):
+        with tracker.phase("old-log-prob pass", "activations"), logits_apart(tracker, policy):
             _forward_only(policy, passes, cfg, arch, device)
         if with_reference:
             with tracker.phase("reference pass", "activations"):
@@ -140,14 +142,16 @@ def run_stage_phases(job: StageJob, stage: int, rank: int, fake: bool) -> StageM
                         offloaded = build_reference_model(arch, job.layout, dtype=job.dtype,
                                                           backend="memory-model",
                                                           fp32_lm_head=cfg.model.fp32_lm_head)
-                    _forward_only(offloaded, _micro_batches(cfg, arch, samples, "ref_logprobs", 1), cfg, arch,
-                                  device)
+                    with logits_apart(tracker, offloaded):
+                        _forward_only(offloaded, _micro_batches(cfg, arch, samples, "ref_logprobs", 1), cfg,
+                                      arch, device)
                     del offloaded
                 else:
-                    _forward_only(reference, _micro_batches(cfg, arch, samples, "ref_logprobs", 1), cfg, arch,
-                                  device)
+                    with logits_apart(tracker, reference):
+                        _forward_only(reference, _micro_batches(cfg, arch, samples, "ref_logprobs", 1), cfg,
+                                      arch, device)
         train = _micro_batches(cfg, arch, samples, purpose="train", count=count)
-        with tracker.phase("train forward/backward + optimizer step", "activations"):
+        with tracker.phase("train forward/backward + optimizer step", "activations"), logits_apart(tracker, policy):
             _train(policy, optimizer, train, cfg, arch, device)
         with tracker.phase("weight-sync export", "sync buckets"):
             _export(policy, cfg, arch)
@@ -170,6 +174,29 @@ def run_stage_phases(job: StageJob, stage: int, rank: int, fake: bool) -> StageM
                        train_micro_batches=len(train), save_host_bytes=save.host_bytes,
                        save_device_bytes=save.device_bytes, save_local_copy_bytes=save.local_copy_bytes,
                        measured_save_bytes=measured_save)
+
+
+@contextlib.contextmanager
+def logits_apart(tracker: MemoryTracker, chunks) -> Iterator[None]:
+    """Inside the passes: what the output layer and the loss create (logits, log-softmax
+    temporaries and their gradients) is filed under "logits/loss", the rest under "activations".
+    The output layer's forward starts the logits; the chunk's next forward, or the output layer's
+    backward (after which backward runs through the layers), returns to activations."""
+    from megatron_grpo.models.builder import unwrap
+
+    handles = []
+    for chunk in chunks:
+        model = unwrap(chunk)
+        handles.append(model.register_forward_pre_hook(lambda *_: tracker.file_under("activations")))
+        head = getattr(model, "output_layer", None) if model.post_process else None
+        if head is not None:
+            handles.append(head.register_forward_pre_hook(lambda *_: tracker.file_under("logits/loss")))
+            handles.append(head.register_full_backward_hook(lambda *_: tracker.file_under("activations")))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _in_flight(layout: ParallelLayout) -> int:

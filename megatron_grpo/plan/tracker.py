@@ -64,6 +64,11 @@ class MemoryTracker(TorchDispatchMode):
             self.phases.append(self._phase)
             self._phase, self._category = previous_phase, previous_category
 
+    def file_under(self, category: str) -> None:
+        """Files what is created from now on under `category` (until this is called again or the
+        current phase ends): module hooks split a phase, e.g. logits from layer activations."""
+        self._category = category
+
     def track(self, tensors, category: str) -> None:
         """Counts tensors created outside the tracker (or moves them into `category`)."""
         for tensor in tensors:
