@@ -156,13 +156,14 @@ class _LengthsEngine:
     def __init__(self, lengths):
         self.lengths = lengths
 
-    def generate(self, requests):
+    def generate(self, requests, on_request_done=None):
+        from megatron_grpo.rollout.engine import report_each_request
         from megatron_grpo.rollout.types import Sample
 
-        return [Sample(group_id=r.group_id, sample_index=i, prompt_ids=list(r.prompt_ids),
-                       response_ids=[7] * length, logprobs=[-0.5] * length, finish_reason="length",
-                       weight_version=0)
-                for r in requests for i, length in enumerate(self.lengths)]
+        return report_each_request(requests, [
+            Sample(group_id=r.group_id, sample_index=i, prompt_ids=list(r.prompt_ids), response_ids=[7] * length,
+                   logprobs=[-0.5] * length, finish_reason="length", weight_version=0)
+            for r in requests for i, length in enumerate(self.lengths)], on_request_done)
 
 
 def _constant_score(prompt, response, ground_truth, extra):

@@ -166,6 +166,39 @@ def test_runner_results_in_input_order_with_metrics(pool):
     assert [m["length"] for m in result.sample_metrics] == [float(len(r)) for r in responses]
 
 
+def test_stream_scores_groups_as_they_arrive_and_equals_score(pool):
+    """Groups submitted from another thread, out of order, while the first ones are being scored:
+    the result is score()'s on the batch in key order, and the first group is scored before the
+    last is even submitted."""
+    import threading
+
+    groups = [["ok", "no"], ["okay", "ok"], ["x", "ok"], ["ok", "ok"]]
+    stream = pool.stream()
+    scored_before_the_rest: list[int] = []
+
+    def engine():  # submits like an engine's callback: completion order, not request order
+        for key in (2, 0):
+            stream.submit(key, _requests(groups[key]))
+        deadline = time.monotonic() + 30
+        while not stream.feed.done_at and time.monotonic() < deadline:
+            time.sleep(0.01)
+        scored_before_the_rest.append(len(stream.feed.done_at))
+        for key in (3, 1):
+            stream.submit(key, _requests(groups[key]))
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    thread.join()
+    result = stream.result()
+    assert scored_before_the_rest[0] >= 1 and len(stream.feed.done_at) == 8
+    whole = pool.score(_requests([r for group in groups for r in group]))
+    assert result.scores == whole.scores and result.sample_metrics == whole.sample_metrics
+    assert result.metrics["reward/length"] == whole.metrics["reward/length"]
+    assert 0 <= result.metrics["reward/first_latency_s"] < 30 and 0 <= result.metrics["reward/last_latency_s"] < 30
+    with pytest.raises(RuntimeError, match="after result"):
+        stream.submit(4, _requests(["ok"]))
+
+
 @pytest.mark.slow
 def test_runner_survives_raising_hanging_dying_and_bad_results(pool, caplog):
     responses = ["ok", "raise", "hang", "ok", "die", "text", "ok", "no"]

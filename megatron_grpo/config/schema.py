@@ -118,9 +118,14 @@ class SGLangConfig:
     request_timeout_s: float = 600.0
     weight_update_timeout_s: float = 600.0
     max_retries: int = 3
-    max_concurrency: int = 256  # in-flight HTTP requests per engine
+    # Sequences (samples) in flight per engine: a request of n samples takes n; behind a router the
+    # client holds this x the live engines. Each engine's batch is at most this full: size it to
+    # what its KV cache holds (`megatron-grpo plan` prints that, in tokens). slime's default: 512.
+    max_concurrency: int = 256
     # Reproducible rollouts: SGLang honours sampling_seed only with --enable-deterministic-inference
-    # (passed to launched servers; URL-given ones are checked). false: faster, unseeded sampling.
+    # (passed to launched servers; URL-given ones are checked). It costs throughput (SGLang measured
+    # 34% with CUDA graphs) and restricts the attention backend; the cluster recipes turn it off
+    # (unseeded: a group is one request of n samples sharing its prompt's prefix cache).
     deterministic_inference: bool = True
     verify_interval: int = 50  # check the engines' weights after the first sync and every N-th; 0 = never
     min_engines: int = 1  # fewer live engines than this stops the run (after a checkpoint)
@@ -304,6 +309,9 @@ class RewardConfig:
     # A batch in which more than this fraction of the calls fail (raise, time out, return no
     # finite number) stops the run; below it, failures score 0 and count in reward/errors/<kind>.
     max_error_frac: float = 0.5
+    # Score each prompt group as soon as its n samples are generated (overlapping the rest of the
+    # generation); false: score the whole batch after the last sample. The scores are the same.
+    score_while_generating: bool = True
     format_score: float = 0.0
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -88,6 +89,7 @@ class RewardRunner:
         self.signature, self.max_error_frac = signature, max_error_frac  # reward.signature / max_error_frac
         self._failures = FailureReport(self.spec, max_error_frac)
         self._workers: list[_Worker] = [self._start_worker() for _ in range(num_workers)]
+        self._pool_in_use = threading.Lock()
         self.workers_replaced = 0  # how many workers were killed (timeout) or died
 
     # -- pool management -------------------------------------------------------------------------
@@ -134,8 +136,14 @@ class RewardRunner:
         if self.num_workers == 0:
             outcomes = [self._call_here(args) for args in tasks]
         else:
-            outcomes = self._run_pool(tasks)
+            with self._pool_in_use:
+                outcomes = self._run_pool(_TaskFeed(tasks, closed=True))
         return self._collect(requests, tasks, outcomes)
+
+    def stream(self) -> "RewardStream":
+        """Scoring that starts before the batch is complete: submit() requests as they arrive (from
+        any thread), result() for all of them in key order. One stream or score() at a time."""
+        return RewardStream(self)
 
     def _make_tasks(self, requests: Sequence[RewardRequest]) -> list[tuple]:
         rows = [(r.prompt, r.response, r.ground_truth, r.extra) for r in requests]
@@ -153,14 +161,22 @@ class RewardRunner:
         except Exception:
             return "error", traceback.format_exc()
 
-    def _run_pool(self, tasks: list[tuple]) -> list[tuple[str, Any]]:
-        """Runs every task; returns (status, payload) per task: ("ok", result) | ("error", text) |
-        ("timeout", text)."""
-        outcomes: list[tuple[str, Any] | None] = [None] * len(tasks)
-        queue = deque(range(len(tasks)))
-        remaining = len(tasks)
+    def _run_pool(self, feed: "_TaskFeed") -> list[tuple[str, Any]]:
+        """Runs every task of `feed` (also those added while it runs, until it is closed); returns
+        (status, payload) per task: ("ok", result) | ("error", text) | ("timeout", text)."""
+        tasks = feed.tasks  # grows while the feed is open
+        outcomes: list[tuple[str, Any] | None] = []
+        queue: deque[int] = deque()
+        remaining = 0
         last_progress = time.monotonic()
-        while remaining:
+        while True:
+            closed, arrived = feed.closed, len(tasks)  # closed first: nothing arrives after it
+            for task_id in range(len(outcomes), arrived):
+                outcomes.append(None)
+                queue.append(task_id)
+                remaining += 1
+            if closed and not remaining:
+                break
             for worker in self._workers:
                 if worker.ready and worker.task is None and queue:
                     task_id = queue.popleft()
@@ -170,7 +186,9 @@ class RewardRunner:
             now = time.monotonic()
             deadlines = [w.task[1] for w in self._workers if w.task is not None]
             wait_s = min([d - now for d in deadlines] + [1.0])
-            ready_conns = wait([w.conn for w in self._workers], timeout=max(0.0, wait_s))
+            ready_conns = wait([w.conn for w in self._workers] + [feed.waker], timeout=max(0.0, wait_s))
+            if feed.waker in ready_conns:
+                feed.drain()
             for index, worker in enumerate(list(self._workers)):
                 if worker.conn not in ready_conns:
                     continue
@@ -181,6 +199,7 @@ class RewardRunner:
                         outcomes[worker.task[0]] = ("error", f"reward worker process died (exit code "
                                                               f"{worker.process.exitcode}) during the call")
                         remaining -= 1
+                        feed.finished(worker.task[0])
                     self._replace(index)
                     continue
                 if message[0] == "ready":
@@ -192,6 +211,7 @@ class RewardRunner:
                     outcomes[task_id] = ("ok", payload) if ok else ("error", payload)
                     worker.task = None
                     remaining -= 1
+                    feed.finished(task_id)
                     last_progress = time.monotonic()
             now = time.monotonic()
             for index, worker in enumerate(list(self._workers)):
@@ -199,6 +219,7 @@ class RewardRunner:
                     outcomes[worker.task[0]] = ("timeout", f"reward call timed out after {self.timeout_s} s "
                                                            f"({self.spec}); its worker was replaced")
                     remaining -= 1
+                    feed.finished(worker.task[0])
                     last_progress = now
                     self._replace(index)
             if not any(w.ready for w in self._workers) and now - last_progress > self.startup_timeout_s:
@@ -247,3 +268,102 @@ def _length(value: Any) -> str:
         return str(len(value))
     except TypeError:
         return "-"
+
+
+class _TaskFeed:
+    """The pool loop's tasks: all at once (closed), or added over time by a stream; `waker` wakes
+    the loop when tasks arrive or the feed closes."""
+
+    def __init__(self, tasks: Sequence[tuple] = (), closed: bool = False):
+        self.tasks = list(tasks)
+        self.closed = closed
+        self.waker, self._wake = multiprocessing.Pipe(duplex=False)
+        self.done_at: dict[int, float] = {}  # task id -> when its outcome came in
+        self._lock = threading.Lock()
+
+    def add(self, tasks: Sequence[tuple]) -> range:
+        with self._lock:
+            start = len(self.tasks)
+            self.tasks.extend(tasks)
+            self._wake.send_bytes(b"+")
+        return range(start, start + len(tasks))
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            self._wake.send_bytes(b".")
+
+    def drain(self) -> None:
+        while self.waker.poll():
+            self.waker.recv_bytes()
+
+    def finished(self, task_id: int) -> None:
+        self.done_at[task_id] = time.perf_counter()
+
+
+@dataclass
+class _Submission:
+    key: int
+    requests: list[RewardRequest]
+    tasks: range  # their task ids in the feed
+    submitted_at: float
+
+
+class RewardStream:
+    """Scores requests while more arrive (RewardRunner.stream): the worker pool runs in a thread
+    from the first submit() until result(). With num_workers=0 the calls run in result(): an
+    in-process call has nothing to overlap with."""
+
+    def __init__(self, runner: RewardRunner):
+        self.runner = runner
+        self.feed = _TaskFeed()
+        self.submissions: list[_Submission] = []
+        self._outcomes: list[tuple[str, Any]] | BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        if runner.num_workers > 0:
+            runner._pool_in_use.acquire()
+            self._thread = threading.Thread(target=self._run, name="reward-stream", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._outcomes = self.runner._run_pool(self.feed)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by result()
+            self._outcomes = exc
+            self.feed.close()
+
+    def submit(self, key: int, requests: Sequence[RewardRequest]) -> None:
+        """Scores `requests`; result() orders everything by key (e.g. the request index)."""
+        with self._lock:
+            if self.feed.closed:
+                raise RuntimeError("RewardStream.submit after result()")
+            tasks = self.runner._make_tasks(requests)
+            ids = self.feed.add(tasks) if self._thread is not None else range(0)
+            self.submissions.append(_Submission(key, list(requests), ids, time.perf_counter()))
+
+    def result(self) -> RewardBatchResult:
+        """Every submitted request's score, in key order; metrics as RewardRunner.score's, plus
+        reward/first_latency_s and reward/last_latency_s: from the first and the last submission
+        to its last score."""
+        with self._lock:
+            self.feed.close()
+        ordered = sorted(self.submissions, key=lambda sub: sub.key)
+        requests = [r for sub in ordered for r in sub.requests]
+        if self._thread is None:
+            tasks = self.runner._make_tasks(requests)
+            outcomes = [self.runner._call_here(args) for args in tasks]
+            return self.runner._collect(requests, tasks, outcomes)
+        self._thread.join()
+        self.runner._pool_in_use.release()
+        if isinstance(self._outcomes, BaseException):
+            raise self._outcomes
+        tasks = [self.feed.tasks[i] for sub in ordered for i in sub.tasks]
+        outcomes = [self._outcomes[i] for sub in ordered for i in sub.tasks]
+        result = self.runner._collect(requests, tasks, outcomes)
+        if self.submissions:
+            first, last = self.submissions[0], self.submissions[-1]  # in submission order
+            for name, sub in (("first", first), ("last", last)):
+                done = max((self.feed.done_at[i] for i in sub.tasks), default=sub.submitted_at)
+                result.metrics[f"reward/{name}_latency_s"] = done - sub.submitted_at
+        return result

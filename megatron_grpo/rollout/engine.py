@@ -5,24 +5,30 @@ engine implements when it can take its weights from sender ranks other than glob
 from __future__ import annotations
 
 import abc
-from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from megatron_grpo.rollout.types import EngineHealth, GenerationRequest, Sample
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+# Told (request index, that request's samples) as soon as a request's samples are all final, from
+# the engine's thread: reward scoring starts on them while the rest generate (trainer/rollouts/).
+RequestDone = Callable[[int, list[Sample]], None]
 
 
 class RolloutEngine(abc.ABC):
     """Generates samples and receives new weights as a stream of HF-named tensors.
 
-    `generate` returns, for each request in order, its `sampling.n` samples in sample order.
+    `generate` returns, for each request in order, its `sampling.n` samples in sample order, and
+    tells `on_request_done` each request's samples once they are final (engines that finish a
+    call at once tell them all at the end: `report_each_request`).
     `update_weights` consumes the stream once (it may be a generator that exports on the fly) and
     stamps `version` on every later sample."""
 
     @abc.abstractmethod
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]: ...
+    def generate(self, requests: Sequence[GenerationRequest],
+                 on_request_done: RequestDone | None = None) -> list[Sample]: ...
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None: ...
@@ -53,6 +59,18 @@ class RolloutEngine(abc.ABC):
 
     def close(self) -> None:
         """Releases processes / connections; the default has nothing to release."""
+
+
+def report_each_request(requests: Sequence[GenerationRequest], samples: list[Sample],
+                        on_request_done: RequestDone | None) -> list[Sample]:
+    """For engines that return a whole call at once: tells on_request_done every request's samples
+    (n each, in order); returns `samples`."""
+    if on_request_done is not None:
+        start = 0
+        for index, request in enumerate(requests):
+            on_request_done(index, samples[start:start + request.sampling.n])
+            start += request.sampling.n
+    return samples
 
 
 @runtime_checkable

@@ -30,7 +30,8 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Sequence
 
 from megatron_grpo.errors import MegatronGRPOError
-from megatron_grpo.rollout.engine import NamedTensors, RolloutEngine, StagedWeightUpdates
+from megatron_grpo.rollout.engine import (NamedTensors, RequestDone, RolloutEngine, StagedWeightUpdates,
+                                          report_each_request)
 from megatron_grpo.rollout.shared_weights import SharedWeightSender, WeightEndpoint
 from megatron_grpo.rollout.types import EngineHealth, GenerationRequest, Sample
 
@@ -177,11 +178,12 @@ class ProcessEngine(RolloutEngine, StagedWeightUpdates):
                                      f"{timeout_s:g}s") from None
 
     # ----- RolloutEngine --------------------------------------------------------------------
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]:
+    def generate(self, requests: Sequence[GenerationRequest],
+                 on_request_done: RequestDone | None = None) -> list[Sample]:
         """Samples of `requests`, with the newest weights pushed completely before the call."""
         samples, info = self._call("generate", list(requests))
         self.last_generate = GenerateInfo(**info)
-        return samples
+        return report_each_request(requests, samples, on_request_done)
 
     def abort(self) -> None:
         """Ends the running generate call (its unfinished samples come back as 'abort')."""

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from megatron_grpo.convert.fused_experts import fuse_expert_tensors
-from megatron_grpo.rollout.engine import NamedTensors, RolloutEngine
+from megatron_grpo.rollout.engine import NamedTensors, RequestDone, RolloutEngine, report_each_request
 from megatron_grpo.rollout.kept_kv import KeptPrefix, KeptPrefixes
 from megatron_grpo.rollout.sampling import make_state, sample_tokens
 from megatron_grpo.rollout.types import (EngineHealth, GenerationRequest, Sample, SamplingParams,
@@ -151,7 +151,8 @@ class LocalEngine(RolloutEngine):
     def weight_version(self) -> int:
         return self._version
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]:
+    def generate(self, requests: Sequence[GenerationRequest],
+                 on_request_done: RequestDone | None = None) -> list[Sample]:
         for req in requests:
             if req.sampling.stop and self.tokenizer is None:
                 raise ValueError(f"request {req.group_id!r} has stop strings {req.sampling.stop} but the local "
@@ -169,14 +170,15 @@ class LocalEngine(RolloutEngine):
         version = self._version
         # routes as numpy int32: a torch tensor would cross the engine process's pipe through torch's
         # shared-memory reduction (fd passing), which the trainer's process cannot authenticate
-        return [Sample(group_id=requests[r.request_index].group_id, sample_index=r.sample_index,
-                       prompt_ids=list(requests[r.request_index].prompt_ids), response_ids=r.response,
-                       logprobs=r.logprobs, finish_reason=r.finish, weight_version=version,
-                       matched_stop=r.matched, routed_experts=torch.cat(r.routed).numpy() if r.routed else None,
-                       behaviour_logprobs=r.behaviour if r.params.truncated else None,
-                       sampling_support=r.support if requests[r.request_index].return_support else None,
-                       engine="local")
-                for r in rows]
+        samples = [Sample(group_id=requests[r.request_index].group_id, sample_index=r.sample_index,
+                          prompt_ids=list(requests[r.request_index].prompt_ids), response_ids=r.response,
+                          logprobs=r.logprobs, finish_reason=r.finish, weight_version=version,
+                          matched_stop=r.matched, routed_experts=torch.cat(r.routed).numpy() if r.routed else None,
+                          behaviour_logprobs=r.behaviour if r.params.truncated else None,
+                          sampling_support=r.support if requests[r.request_index].return_support else None,
+                          engine="local")
+                   for r in rows]
+        return report_each_request(requests, samples, on_request_done)
 
     def abort(self) -> None:
         """Ends every generate() call begun before this one (running, or waiting for the model):

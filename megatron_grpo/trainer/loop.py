@@ -201,7 +201,8 @@ def rollout_settings(cfg: Config) -> RolloutSettings:
                            routing_replay=cfg.actor.moe_routing_replay,
                            sampling_replay=sampling_replay_enabled(cfg), multi_turn=multi_turn_settings(cfg),
                            overlong=overlong_penalty(cfg),
-                           filter_on_penalised=cfg.algorithm.filter_groups.metric in PENALISED_FILTER_METRICS)
+                           filter_on_penalised=cfg.algorithm.filter_groups.metric in PENALISED_FILTER_METRICS,
+                           score_while_generating=cfg.reward.score_while_generating)
 
 
 def overlong_penalty(cfg: Config) -> OverlongPenalty | None:

@@ -37,6 +37,10 @@ What runs here is SGLang's code too, except the loop and the forward pass:
   `--tp-size N` the N ranks each hold a full copy of the model, rank 0 generates, and every rank
   runs every control request (SGLang broadcasts them the same way), so per-rank payloads and
   weight-update group ranks are exercised.
+- load snapshots: rank 0 publishes SGLang's `LoadSnapshot` through SGLang's own
+  `create_load_snapshot_writer` (shared memory on one node, as SGLang does by default), which the
+  TokenizerManager's reader serves at GET /v1/loads (publish_load below); `--max-running-requests`
+  caps the running requests, the rest wait, as in SGLang.
 Ours: the decode loop (one HF forward per running request per step, KV cache in HF's cache),
 the CPU memory saver (releasing `weights` zeroes them: SGLang drops their contents too unless
 `--enable-weights-cpu-backup`), and a scheduler-side exception ends the server as SGLang's does
@@ -51,6 +55,7 @@ torchvision_stub.install()
 memory_saver_stub.install()
 
 import logging  # noqa: E402
+import os  # noqa: E402
 import signal  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any  # noqa: E402
@@ -60,6 +65,7 @@ import torch  # noqa: E402
 from tests.sglang_harness.faults import Faults  # noqa: E402
 
 log = logging.getLogger("sglang_harness.scheduler")
+MAX_TOTAL_NUM_TOKENS = 1 << 20  # the KV "pool" the scheduler reports (HF's cache has no bound)
 
 
 def run_cpu_scheduler(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer, *args, **kwargs):
@@ -206,6 +212,16 @@ class CpuScheduler:
         self.dispatcher = self._build_dispatcher()
         self.generate_count = 0
         self._bind_sglang_methods()
+        # HARNESS_INSTANT's token: the EOS, which SGLang's stop rules end the request on
+        eos = self.tokenizer.eos_token_id
+        self.instant_token = eos if eos is not None else min(self.model_config.hf_eos_token_id or {0})
+        self.max_running_requests = server_args.max_running_requests or default_max_running_requests(
+            MAX_TOTAL_NUM_TOKENS, self.model_config.context_len)
+        self.load_snapshot_writer = None
+        self._published_counts = None
+        if self.tp_rank == 0:
+            self.load_snapshot_writer = make_load_snapshot_writer(port_args)
+            self.publish_load(decoded=False)
 
     def _bind_sglang_methods(self) -> None:
         """SGLang's own scheduler code for sampling masks, bound to this scheduler: what they read
@@ -221,7 +237,7 @@ class CpuScheduler:
         self._reject_sampling_mask_request = Scheduler._reject_sampling_mask_request.__get__(self)
 
     def init_info(self) -> dict[str, Any]:
-        return {"status": "ready", "max_total_num_tokens": 1 << 20,
+        return {"status": "ready", "max_total_num_tokens": MAX_TOTAL_NUM_TOKENS,
                 "max_req_input_len": self.model_config.context_len - 1, "startup_time": {}}
 
     def _build_dispatcher(self):
@@ -261,8 +277,8 @@ class CpuScheduler:
                 output = self.dispatcher(recv_req)
                 if output is not None:
                     self.ipc.send_to_tokenizer.send_output(output, recv_req)
-            if not self._engine_paused:
-                self.step()
+            decoded = not self._engine_paused and self.step()
+            self.publish_load(decoded)
 
     def recv_requests(self) -> list:
         """Rank 0 drains its socket (waiting briefly when idle); SGLang broadcasts the list to the
@@ -283,17 +299,18 @@ class CpuScheduler:
             reqs = broadcast_pyobj(reqs, self.tp_rank, self.tp_cpu_group, src=0)
         return reqs
 
-    def step(self) -> None:
-        """Prefill the waiting requests, then one decode step for every running one (rank 0 only)."""
+    def step(self) -> bool:
+        """Prefill the waiting requests (up to --max-running-requests running), then one decode step
+        for every running one (rank 0 only). Whether it decoded."""
         if self.tp_rank != 0:
-            return
+            return False
         if (self.waiting or self.running) and "kv_cache" in self.memory_saver.paused:
             raise RuntimeError("generation while the KV cache is released (release_memory_occupation)")
-        while self.waiting:
+        while self.waiting and len(self.running) < self.max_running_requests:
             req = self.waiting.pop(0)
             self.running.append(Running(req))
         if not self.running:
-            return
+            return False
         for item in self.running:
             self._decode_one(item)
         # SGLang streams after every step: finished requests, and unfinished ones every
@@ -301,15 +318,100 @@ class CpuScheduler:
         reqs = [item.req for item in self.running]
         self.output_streamer.stream_output(reqs, any(r.return_logprob for r in reqs))
         self.running = [item for item in self.running if not item.req.finished()]
+        return True
+
+    def publish_load(self, decoded: bool) -> None:
+        """SGLang's Scheduler.publish_load_snapshot, what GET /v1/loads serves: at once when the
+        numbers of running or waiting requests changed (SGLang publishes at once on prefill and when
+        idle), else every --load-snapshot-publish-interval decode steps (SGLang's throttle; the token
+        counts grow). Counts are sequences: SGLang's TokenizerManager fans a request with n > 1 out
+        into n of them."""
+        writer = self.load_snapshot_writer
+        if writer is None:
+            return
+        counts = (len(self.running), len(self.waiting))
+        if counts == self._published_counts:
+            if not decoded:
+                return
+            writer.publish_counter += 1
+            if writer.publish_counter < writer.publish_interval:
+                return
+        writer.publish_counter = 0
+        self._published_counts = counts
+        writer.write(self.load_snapshot())
+
+    def load_snapshot(self):
+        """SGLang's SchedulerLoadInquirer.get_loads for this scheduler: no prefix cache, no
+        disaggregation, no grammar queue; the KV tokens in use are the running requests' lengths."""
+        import time
+
+        from sglang.srt.managers.load_snapshot import DisaggregationMetrics, LoadSnapshot, QueueMetrics
+
+        used = sum(item.req.seqlen for item in self.running)
+        total = used + sum(req.seqlen for req in self.waiting)
+        return LoadSnapshot(
+            dp_rank=self.load_snapshot_writer.dp_rank, timestamp=time.time(), num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_waiting_uncached_tokens=sum(len(req.origin_input_ids) for req in self.waiting),
+            num_used_tokens=used, num_total_tokens=total, num_active_tokens=total,
+            max_total_num_tokens=MAX_TOTAL_NUM_TOKENS, max_running_requests=self.max_running_requests,
+            token_usage=used / MAX_TOTAL_NUM_TOKENS,
+            disaggregation=DisaggregationMetrics(mode="null"),
+            queues=QueueMetrics(waiting=len(self.waiting), grammar=0, paused=0, retracted=0, prealloc_ready=0))
 
     @torch.no_grad()
     def _decode_one(self, item: Running) -> None:
-        from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 
         req = item.req
         if req.to_finish is not None:
             req.update_finish_state(0)
             return
+        if self.faults.instant:
+            token, logprob, logits_output = self._instant_token(req)
+        else:
+            token, logprob, logits_output = self._forward_and_sample(item)
+        # SGLang's SchedulerBatchResultProcessor.process_batch_result_decode (and _prefill) for one row:
+        # an unusable sampling mask finishes the request without committing the sampled token.
+        if req.return_sampling_mask:
+            self.materialize_sampling_mask_output([req], logits_output)
+            statuses = logits_output.next_token_sampling_mask_status
+            finish_reason = self.get_sampling_mask_finish_reason(status=None if statuses is None else statuses[0])
+            if finish_reason is not None:
+                req.to_finish = finish_reason
+                req.update_finish_state(0)
+                return
+        req.output_ids.append(token)
+        req.update_finish_state(1)
+        if self.faults.instant and not req.finished():  # ignore_eos: SGLang's rules would go on
+            req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+            req.finished_len = len(req.output_ids)
+        if req.return_logprob:
+            req.logprob.output_token_logprobs_val.append(logprob)
+            req.logprob.output_token_logprobs_idx.append(token)
+        if req.return_sampling_mask:
+            self.add_sampling_mask_return_values(0, req, logits_output)
+
+    def _instant_token(self, req):
+        """HARNESS_INSTANT, no forward pass: the "model" answers EOS with certainty (log-prob 0.0), so
+        that SGLang's stop rules end the request ("stop", matched EOS; with ignore_eos, _decode_one ends
+        it as "length"). A sampling mask, if asked for, is SGLang's greedy one (support {EOS}, log-prob
+        0): that same distribution."""
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+        output = LogitsProcessorOutput(next_token_logits=None)
+        if req.return_sampling_mask:
+            support_rows = torch.tensor([0]) if req.sampling_logprobs_mode == "support" else None
+            output.sampling_mask_output = self.sampler._build_greedy_sampling_mask_output(
+                torch.tensor([0]), torch.tensor([self.instant_token]), support_rows)
+        return self.instant_token, 0.0, output
+
+    def _forward_and_sample(self, item: Running):
+        """One HF forward of the request (its whole sequence at first, then the last token on the
+        cache) and SGLang's sampling of its next token: (token, log-prob, LogitsProcessorOutput)."""
+        from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+        req = item.req
         if item.past_key_values is None:
             tokens = list(req.origin_input_ids) + list(req.output_ids)
         else:
@@ -324,24 +426,7 @@ class CpuScheduler:
             # (only with --enable-deterministic-inference; 42 if the request has none), is_all_greedy,
             # need_*_sampling, max_top_k and the rows that return sampling masks.
             item.sampling_info = SamplingBatchInfo.from_schedule_batch(item.batch, self.model_config.vocab_size)
-        token, logprob, logits_output = self._sample(out.logits[0, -1].float(), req, item.sampling_info, position)
-        # SGLang's SchedulerBatchResultProcessor.process_batch_result_decode (and _prefill) for one row:
-        # an unusable sampling mask finishes the request without committing the sampled token.
-        if req.return_sampling_mask:
-            self.materialize_sampling_mask_output([req], logits_output)
-            statuses = logits_output.next_token_sampling_mask_status
-            finish_reason = self.get_sampling_mask_finish_reason(status=None if statuses is None else statuses[0])
-            if finish_reason is not None:
-                req.to_finish = finish_reason
-                req.update_finish_state(0)
-                return
-        req.output_ids.append(token)
-        req.update_finish_state(1)
-        if req.return_logprob:
-            req.logprob.output_token_logprobs_val.append(logprob)
-            req.logprob.output_token_logprobs_idx.append(token)
-        if req.return_sampling_mask:
-            self.add_sampling_mask_return_values(0, req, logits_output)
+        return self._sample(out.logits[0, -1].float(), req, item.sampling_info, position)
 
     def _sample(self, logits: torch.Tensor, req, info, position: int):
         """SGLang's `Sampler.forward` (pytorch backend) for a batch of one request with its batch info
@@ -490,6 +575,53 @@ class OneRequestBatch:
     def __init__(self, req):
         self.reqs = [req]
         self.device = "cpu"
+
+
+def default_max_running_requests(max_total_num_tokens: int, context_len: int) -> int:
+    """SGLang's default --max-running-requests for a KV pool of max_total_num_tokens tokens
+    (MemoryPoolConfigurator._resolve_max_running_requests_per_worker)."""
+    estimated = max(min(int(max_total_num_tokens / context_len * 512), 4096), 2048)
+    return min(estimated, max_total_num_tokens // 2)
+
+
+def make_load_snapshot_writer(port_args):
+    """SGLang's load snapshot writer of a DP rank's scheduler (Scheduler.init_ipc_channels: shared
+    memory, or zmq for multi-node DP attention / SGLANG_LOAD_SNAPSHOT_USE_ZMQ=1); as in SGLang, a
+    failure leaves the scheduler without one (GET /v1/loads then answers no loads)."""
+    from sglang.srt.managers.load_snapshot import create_load_snapshot_writer
+    from sglang.srt.runtime_context import get_observability, get_parallel
+
+    dp_rank = get_parallel().dp_rank if get_parallel().dp_rank is not None else 0
+    try:
+        writer = create_load_snapshot_writer(port_args, get_parallel().num_dp_ranks, dp_rank,
+                                             publish_interval=get_observability().load_snapshot_publish_interval)
+    except Exception as e:  # noqa: BLE001 - SGLang's words and behaviour
+        log.warning("load snapshot writer init failed: %s", e)
+        return None
+    if getattr(writer, "path", None):
+        _unlink_on_sigterm(writer.path)
+    return writer
+
+
+def _unlink_on_sigterm(path: str) -> None:
+    """SGLang leaves its /dev/shm/sglang_loads_* file behind (only its CI sweeps them); test servers
+    start by the hundred, so the harness removes it when its process group gets SIGTERM (the
+    launcher's shutdown), then dies of the signal as before. The TokenizerManager's mapping stays
+    readable."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def unlink_and_die(signum, frame):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        if callable(previous):
+            previous(signum, frame)
+            return
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, unlink_and_die)
 
 
 def make_sampler(tp_size: int):

@@ -8,7 +8,7 @@ import socket
 import time
 from typing import Sequence
 
-from megatron_grpo.rollout.engine import ColocatedWeightUpdates, NamedTensors, RolloutEngine
+from megatron_grpo.rollout.engine import ColocatedWeightUpdates, NamedTensors, RequestDone, RolloutEngine
 from megatron_grpo.rollout.sglang.client import SGLangClient
 from megatron_grpo.rollout.sglang.errors import SGLangError
 from megatron_grpo.rollout.sglang.http_json import RetryPolicy
@@ -38,6 +38,18 @@ class EngineOptions:
     # whole from the new weights (the partial work is lost). False returns them as 'abort' samples.
     resubmit_aborted: bool = False
     max_resubmits: int = 8  # per generate call: a group aborted this often is returned as aborted
+
+
+def _when_whole(on_request_done: RequestDone | None, indices: Sequence[int]) -> RequestDone | None:
+    """on_request_done for requests that came back with no aborted sample; the call's j-th request
+    is the caller's indices[j]."""
+    if on_request_done is None:
+        return None
+
+    def done(j: int, samples: list[Sample]) -> None:
+        if not any(s.finish_reason == "abort" for s in samples):
+            on_request_done(indices[j], samples)
+    return done
 
 
 class SGLangEngine(RolloutEngine, ColocatedWeightUpdates):
@@ -78,13 +90,15 @@ class SGLangEngine(RolloutEngine, ColocatedWeightUpdates):
     def urls(self) -> list[str]:
         return [t.url for t in self.pool.alive_targets]
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]:
+    def generate(self, requests: Sequence[GenerationRequest],
+                 on_request_done: RequestDone | None = None) -> list[Sample]:
         if not self.options.send_seeds:
             requests = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, seed=None)) for r in requests]
         self._stopping = False
-        samples = self.generate_client.generate(requests)
         if not self.options.resubmit_aborted:
-            return samples
+            return self.generate_client.generate(requests, on_request_done)
+        # A request a weight update aborted is resubmitted: it is done when it comes back whole.
+        samples = self.generate_client.generate(requests, _when_whole(on_request_done, range(len(requests))))
         # samples come back in request order, n per request: a request's are samples[start:start + n]
         # (matched by position, not group id: requests may share one, e.g. an episode's turns)
         starts = [0]
@@ -97,13 +111,17 @@ class SGLangEngine(RolloutEngine, ColocatedWeightUpdates):
                 break
             log.info("resubmitting %d request(s) aborted by a weight update", len(again))
             self.resubmitted_groups += len({requests[i].group_id for i in again})
-            fresh = self.generate_client.generate([requests[i] for i in again])
+            fresh = self.generate_client.generate([requests[i] for i in again], _when_whole(on_request_done, again))
             samples = list(samples)
             offset = 0
             for i in again:
                 n = requests[i].sampling.n
                 samples[starts[i]:starts[i + 1]] = fresh[offset:offset + n]
                 offset += n
+        if on_request_done is not None:  # what stays aborted is final too
+            for i in range(len(requests)):
+                if any(s.finish_reason == "abort" for s in samples[starts[i]:starts[i + 1]]):
+                    on_request_done(i, samples[starts[i]:starts[i + 1]])
         return samples
 
     def abort(self) -> None:
@@ -269,8 +287,11 @@ class SGLangEngine(RolloutEngine, ColocatedWeightUpdates):
     def _rotation_changed(self, alive) -> None:
         urls = [t.url for t in alive]
         self.client.set_urls(urls)
-        if self.generate_client is not self.client and len(self.generate_client.urls) > 1:
-            self.generate_client.set_urls(urls)  # a separate client of engines (a router keeps its own list)
+        if self.generate_client is not self.client:
+            if len(self.generate_client.urls) > 1:
+                self.generate_client.set_urls(urls)  # a separate client of engines
+            else:  # a router keeps its own list; what it may hold in flight follows the live engines
+                self.generate_client.set_engines_per_url(len(urls))
 
     def health(self) -> EngineHealth:
         problems, versions = [], set()

@@ -61,8 +61,13 @@ def request_json(url: str, path: str, payload: Any = None, *, method: str = "POS
         conn.close()
     text = data.decode("utf-8", errors="replace")
     if status >= 400:
-        raise SGLangError(f"{method} {where}: HTTP {status}: {text[:500]}", url, status)
+        raise http_error(method, where, status, text, url)
     try:
         return json.loads(text) if text else None
     except json.JSONDecodeError:
         return text
+
+
+def http_error(method: str, where: str, status: int, text: str, url: str) -> SGLangError:
+    """A 4xx/5xx answer as the error every caller reads (status, and SGLang's message cut to 500 chars)."""
+    return SGLangError(f"{method} {where}: HTTP {status}: {text[:500]}", url, status)

@@ -86,8 +86,9 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
                                       side_files_from=model_dir, timeout_s=s.weight_update_timeout_s)
         else:  # colocated: each trainer rank feeds the engine on its GPU (trainer/sync/stage_sync.py)
             transport = TensorTransport(client, targets, bucket_bytes=bucket_bytes, timeout_s=s.weight_update_timeout_s)
-        generate_client = SGLangClient([router_url], concurrency=s.max_concurrency, timeout_s=s.request_timeout_s,
-                                       retry=RetryPolicy(max_attempts=s.max_retries + 1),
+        # the router spreads what it is given over the engines: max_concurrency for each of them
+        generate_client = SGLangClient([router_url], concurrency=s.max_concurrency, engines_per_url=len(urls),
+                                       timeout_s=s.request_timeout_s, retry=RetryPolicy(max_attempts=s.max_retries + 1),
                                        api_key=api_key) if router_url else None
         engine = SGLangEngine(client, transport, generate_client=generate_client, pool=pool, options=EngineOptions(
             send_seeds=s.deterministic_inference, verify_interval=s.verify_interval,

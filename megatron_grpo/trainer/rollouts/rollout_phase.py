@@ -48,6 +48,8 @@ class RolloutSettings:
     # algorithm.filter_groups.metric seq_reward / seq_final_reward: the filter reads the penalised
     # score; acc / score: the reward function's own
     filter_on_penalised: bool = False
+    # reward.score_while_generating: each group is scored as soon as its samples are in
+    score_while_generating: bool = True
 
 
 @dataclass(frozen=True)
@@ -167,20 +169,35 @@ def advantage_metrics(advantages: torch.Tensor) -> dict[str, float]:
 
 
 def _single_turn_round(engine, prompts, tokenizer, rewards, settings, step, rounds, timings, in_trainer_thread):
-    """One generate call for the prompts, then the reward function: (samples, scores, metrics)."""
+    """One generate call for the prompts and the reward function on its samples: (samples, scores,
+    metrics). With settings.score_while_generating each group is scored as soon as its n samples
+    are in; time/reward is then only what scoring adds after the last one."""
     start = time.perf_counter()
     requests = [GenerationRequest(prompt_ids=p.input_ids, sampling=_seeded(settings.sampling, step, rounds, i),
                                   group_id=f"{step}:{rounds}:{i}", return_support=settings.sampling_replay)
                 for i, p in enumerate(prompts)]
-    # the local HF engine needs no megatron CPU shims
-    with cuda_redirect_paused() if in_trainer_thread else contextlib.nullcontext():
-        samples = engine.generate(requests)
-    timings["time/rollout"] += time.perf_counter() - start
+    stream = rewards.stream() if settings.score_while_generating else None
 
-    start = time.perf_counter()
-    by_group = {f"{step}:{rounds}:{i}": p for i, p in enumerate(prompts)}
-    result = rewards.score([reward_request(s, by_group[s.group_id], tokenizer) for s in samples])
-    timings["time/reward"] += time.perf_counter() - start
+    def score_group(index: int, group: list[Sample]) -> None:  # on the engine's thread
+        stream.submit(index, [reward_request(s, prompts[index], tokenizer) for s in group])
+
+    try:
+        # the local HF engine needs no megatron CPU shims
+        with cuda_redirect_paused() if in_trainer_thread else contextlib.nullcontext():
+            samples = engine.generate(requests, score_group if stream is not None else None)
+    except BaseException:
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.result()  # stops its pool thread; the generation error is what matters
+        raise
+    generated = time.perf_counter()
+    timings["time/rollout"] += generated - start
+
+    if stream is not None:
+        result = stream.result()
+    else:
+        result = rewards.score([reward_request(s, prompts[i // settings.n], tokenizer) for i, s in enumerate(samples)])
+    timings["time/reward"] += time.perf_counter() - generated
     metrics = dict(result.metrics)
     metrics.update(_response_stats(samples, settings.sampling.max_new_tokens))
     return samples, list(result.scores), metrics
