@@ -1,6 +1,7 @@
 """The harness scheduler's load snapshots, served by SGLang 0.5.23's own GET /v1/loads (its writer in
-the scheduler, its reader in the TokenizerManager), and its instant mode (HARNESS_INSTANT=1) for
-benchmarks of the client's own overhead."""
+the scheduler, its reader in the TokenizerManager), its instant mode (HARNESS_INSTANT=1) for
+benchmarks of the client's own overhead, and what SGLangClient keeps in flight on each engine,
+read there: directly and through the real sglang-router."""
 from __future__ import annotations
 
 import json
@@ -28,12 +29,13 @@ def http(url: str, path: str, payload: dict | None = None):
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """"loaded": every forward pass slowed; "instant": HARNESS_INSTANT (and a delay no forward may
-    pay). Both start at once."""
+    """"loaded", "loaded2": every forward pass slowed; "instant": HARNESS_INSTANT (and a delay no
+    forward may pay). All start at once."""
     sglang_python()
     model = save_tiny_model(tmp_path_factory.mktemp("model"), seed=0)
     logs = tmp_path_factory.mktemp("logs")
     faults = {"loaded": {"HARNESS_FORWARD_DELAY_S": str(FORWARD_DELAY_S)},
+              "loaded2": {"HARNESS_FORWARD_DELAY_S": str(FORWARD_DELAY_S)},
               "instant": {"HARNESS_INSTANT": "1", "HARNESS_FORWARD_DELAY_S": str(INSTANT_DELAY_S)}}
     settings = {name: server_settings(model) for name in faults}
     launchers = [SGLangLauncher(servers=[settings[name]], log_dir=logs / name, env=harness_env(faults[name]))
@@ -44,7 +46,7 @@ def servers(tmp_path_factory):
         for launcher in launchers:
             launcher.wait_healthy(timeout_s=300, poll_s=0.5)
         yield {name: s.url for name, s in settings.items()}
-    finally:  # both at once: a harness server takes SGLang's 5 s to stop
+    finally:  # all at once: a harness server takes SGLang's 5 s to stop
         stoppers = [threading.Thread(target=launcher.shutdown, kwargs={"grace_s": 5}) for launcher in launchers]
         for stopper in stoppers:
             stopper.start()
@@ -101,3 +103,47 @@ def test_instant_mode_answers_one_eos_token_at_once(servers):
     meta = answer["meta_info"]
     assert answer["output_ids"] == [EOS_ID] and meta["finish_reason"]["type"] == "length"
     assert meta["output_token_sampling_mask"] == [[EOS_ID]] and meta["output_token_logprobs"][0][0] == 0.0
+
+
+def _peak_loads(urls: list[str], work) -> tuple[dict[str, int], int]:
+    """Runs work() while polling each engine's /v1/loads: the most sequences (running + waiting)
+    each engine held, and the most all of them held at one poll."""
+    peaks, together = dict.fromkeys(urls, 0), 0
+    thread = threading.Thread(target=work)
+    thread.start()
+    while thread.is_alive():
+        loads = {url: sum(load["num_running_reqs"] + load["num_waiting_reqs"]
+                          for load in http(url, "/v1/loads")["loads"]) for url in urls}
+        peaks = {url: max(peaks[url], loads[url]) for url in urls}
+        together = max(together, sum(loads.values()))
+        time.sleep(0.005)
+    thread.join()
+    return peaks, together
+
+
+def test_max_concurrency_is_sequences_per_engine_directly_and_behind_the_router(servers, tmp_path):
+    """8 groups of n=3 (unseeded: one request of 3 sequences each) at max_concurrency=6: each of two
+    engines holds 6 sequences (two requests) while work remains, never more; behind the router the
+    client holds 6 x 2 engines and the router spreads them."""
+    from megatron_grpo.rollout.sglang.client import SGLangClient
+    from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
+    from tests.sglang_harness.fixtures import launch_router
+
+    engines = [servers["loaded"], servers["loaded2"]]
+    requests = [GenerationRequest(prompt_ids=[5, 9, 11 + i], group_id=str(i),
+                                  sampling=SamplingParams(n=3, max_new_tokens=12, ignore_eos=True))
+                for i in range(8)]
+    direct, results = SGLangClient(engines, concurrency=6), []
+    peaks, _ = _peak_loads(engines, lambda: results.append(direct.generate(requests)))
+    assert peaks == dict.fromkeys(engines, 6)
+    assert direct.peak_in_flight == dict.fromkeys(engines, 6) and direct.in_flight == dict.fromkeys(engines, 0)
+    assert sorted({s.engine for s in results[0]}) == sorted(engines) and len(results[0]) == 24
+
+    router = launch_router(tmp_path / "router", engines)
+    try:
+        routed = SGLangClient([router.router.url], concurrency=6, engines_per_url=2)
+        peaks, together = _peak_loads(engines, lambda: routed.generate(requests))
+    finally:
+        router.shutdown(grace_s=2)
+    assert routed.peak_in_flight == {router.router.url: 12} and together == 12
+    assert all(peak >= 3 for peak in peaks.values()), peaks  # the router used both
