@@ -211,7 +211,7 @@ def test_sbatch_qwen3_8b_colocated_with_harness_engines(slurm, tmp_path: Path) -
     assert "doctor: every node has what the recipe needs" in batch_log
     assert "stopped servers: sglang-0 sglang-1 sglang-2 sglang-3" in batch_log
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    # step 2 sampled (round-robin over the 4 engines) with the weights each engine got from the
+    # step 2 sampled (spread over the 4 engines) with the weights each engine got from the
     # rank on its GPU after step 1; the step moved the weights, so a stale engine would show here
     assert records[1]["rollout/weight_version_min"] == records[1]["rollout/weight_version_max"] == 1
     assert records[1]["actor/logprob_abs_diff_max"] < 1e-4, records[1]["actor/logprob_abs_diff_max"]
