@@ -223,6 +223,8 @@ def cpu_overrides(recipe: str, policy: Path, output_dir: Path) -> list[str]:
         # a tiny random model moves visibly in one step only with a large learning rate, from step 1
         "actor.optim.lr=1e-3", "actor.optim.lr_warmup_steps=0",
         "reward.num_workers=2", "trainer.device=cpu", "trainer.total_steps=1",
+        # reproducible test runs (the recipes are throughput-first: unseeded sampling)
+        "rollout.sglang.deterministic_inference=true",
         f"logging.output_dir={output_dir}", "logging.plot=false", *shrink.extra]
 
 
