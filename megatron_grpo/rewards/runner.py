@@ -350,10 +350,8 @@ class RewardStream:
             self.feed.close()
         ordered = sorted(self.submissions, key=lambda sub: sub.key)
         requests = [r for sub in ordered for r in sub.requests]
-        if self._thread is None:
-            tasks = self.runner._make_tasks(requests)
-            outcomes = [self.runner._call_here(args) for args in tasks]
-            return self.runner._collect(requests, tasks, outcomes)
+        if self._thread is None:  # num_workers=0: score() calls them here
+            return self.runner.score(requests)
         self._thread.join()
         self.runner._pool_in_use.release()
         if isinstance(self._outcomes, BaseException):
