@@ -19,7 +19,7 @@ import pytest
 
 from tests.requirements import require_local_slurm
 
-from megatron_grpo.launch.env import free_port
+from megatron_grpo.launch.env import free_server_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,8 +37,8 @@ def test_cluster_stops_when_its_owner_is_killed(tmp_path):
     require_local_slurm()
     folder = Path("/tmp") / f"megatron-grpo-slurm-owner-test-{os.getpid()}"  # short: daemons' socket paths
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
-    env.update(SLURM_LOCAL_DIR=str(folder), SLURM_LOCAL_CTLD_PORT=str(free_port()),
-               SLURM_LOCAL_SLURMD_PORT=str(free_port()), SLURM_LOCAL_PURGE="1",
+    env.update(SLURM_LOCAL_DIR=str(folder), SLURM_LOCAL_CTLD_PORT=str(free_server_port()),
+               SLURM_LOCAL_SLURMD_PORT=str(free_server_port()), SLURM_LOCAL_PURGE="1",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
     owner = subprocess.Popen(["sleep", "600"])
     daemons: dict[str, int] = {}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_grpo.launch.env import free_port
+from megatron_grpo.launch.env import free_server_port
 from tests.requirements import require_executable, require_module
 from tests.test_exit_codes import ABORT
 
@@ -57,5 +57,5 @@ def test_mpirun_without_mpi4py(tmp_path: Path) -> None:
     (hidden / "mpi4py").mkdir(parents=True)
     (hidden / "mpi4py" / "__init__.py").write_text('raise ImportError("mpi4py hidden by test_mpi.py")\n')
     pythonpath = os.pathsep.join([str(hidden), os.environ.get("PYTHONPATH", "")])
-    _mpirun(tmp_path, {"PYTHONPATH": pythonpath, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())},
+    _mpirun(tmp_path, {"PYTHONPATH": pythonpath, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_server_port())},
             ["MASTER_ADDR", "MASTER_PORT"])

@@ -32,7 +32,7 @@ from megatron_grpo.rollout.sglang.verify import WeightSample, WeightVerification
 from megatron_grpo.rollout.sglang.weight_sync import (DiskTransport, DistributedTransport, EngineTarget,
                                                       TensorTransport, update_weights)
 from megatron_grpo.rollout.types import GenerationRequest, SamplingParams, derive_sample_seed
-from megatron_grpo.testing.distributed import free_port
+from megatron_grpo.testing.distributed import free_port, free_server_port
 from tests.sglang_harness.fixtures import (LONG_CONTEXT, launch_servers, save_long_context_model, server_settings,
                                            sglang_checksum, sglang_python)
 from tests.tiny_hf import char_tokenizer, float64_logprobs, tiny_model
@@ -148,7 +148,7 @@ def test_weight_update_group_forms_under_torchrun():
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
+    queue, port = ctx.Queue(), free_server_port()
     procs = [ctx.Process(target=_join_weight_group, args=(rank, port, queue)) for rank in range(2)]
     for proc in procs:
         proc.start()

@@ -197,7 +197,7 @@ def _from_mpi(env: Mapping[str, str], mpi_comm: Any) -> RankInfo:
         master_port = _int(env, "MASTER_PORT", MPI) if "MASTER_PORT" in env else DEFAULT_MASTER_PORT
     else:
         comm = mpi_comm if mpi_comm is not None else _mpi4py_comm_world()
-        master_addr, master_port = comm.bcast((socket.gethostname(), free_port("")) if rank == 0 else None,
+        master_addr, master_port = comm.bcast((socket.gethostname(), free_server_port("")) if rank == 0 else None,
                                               root=0)
     return RankInfo(rank=rank, world_size=world_size, local_rank=local_rank,
                     local_world_size=local_world_size, master_addr=master_addr,

@@ -29,7 +29,7 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
-from megatron_grpo.launch.env import free_port, reserve_port  # noqa: F401 - free_port: tests import it from here
+from megatron_grpo.launch.env import free_port, free_server_port, reserve_port  # noqa: F401 - tests import the port helpers from here
 
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
             "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "megatron.core.optimizer"]
