@@ -80,6 +80,12 @@ def transformer_config(model_config: ModelArchitecture, layout: ParallelLayout, 
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
         batch_p2p_sync=on_gpu,
+        # As Megatron-LM's training arguments: the interleaved schedule overlaps its p2p and does not
+        # batch it. Batched, at PP=2 (next and previous stage are one rank) an activation and a
+        # gradient of the same shape travel to one peer in one batch in opposite orders and are
+        # received swapped (measured on gloo: the micro-batches after the first group went wrong).
+        overlap_p2p_comm=layout.virtual_pipeline is not None,
+        batch_p2p_comm=layout.virtual_pipeline is None,
         recompute_granularity=recompute.granularity,
         recompute_method=recompute.method if recompute.granularity == "full" else None,
         recompute_num_layers=recompute.num_layers if recompute.granularity == "full" else None,

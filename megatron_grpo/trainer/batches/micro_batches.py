@@ -12,7 +12,9 @@ Planning (verl's use_dynamic_bsz / ppo_max_token_len_per_gpu, for packed micro-b
   2. each share is packed into as few micro-batches of at most `max_tokens` tokens as fit
      (pack_into_micro_batches: equal costs), or fixed `micro_batch_size` sequences;
   3. with pipeline parallelism every DP rank runs the same number of micro-batches (the largest
-     any rank needs), all of one shape within the mini-batch (p2p buffers have a fixed shape);
+     any rank needs; under the interleaved schedule (virtual pipeline) rounded up to a multiple
+     of PP, megatron's micro-batch group), all of one shape within the mini-batch (p2p buffers
+     have a fixed shape);
      with expert parallelism too (every rank of an EP group, which spans DP ranks, joins each
      forward's token all-to-all: unequal counts would hang), but of their own shapes;
   4. padding is added only where a kernel needs a multiple: 2*CP chunks per sequence under context
@@ -48,6 +50,7 @@ class ParallelShape:
     cp_size: int = 1
     pp_size: int = 1
     ep_size: int = 1
+    vpp_size: int = 1  # model chunks per pipeline rank (interleaved schedule)
 
     @classmethod
     def current(cls, sequence_parallel: bool) -> "ParallelShape":
@@ -57,7 +60,8 @@ class ParallelShape:
                    tp_size=ps.get_tensor_model_parallel_world_size(), sequence_parallel=sequence_parallel,
                    cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
                    pp_size=ps.get_pipeline_model_parallel_world_size(),
-                   ep_size=ps.get_expert_model_parallel_world_size())
+                   ep_size=ps.get_expert_model_parallel_world_size(),
+                   vpp_size=ps.get_virtual_pipeline_model_parallel_world_size() or 1)
 
     @property
     def sequence_multiple(self) -> int:
@@ -206,6 +210,8 @@ def plan(samples: list[TrainSample], batching: MicroBatching, shape: ParallelSha
                              f"{shape.dp_size} empty")
         if shape.pp_size > 1 or shape.ep_size > 1:  # the same number of micro-batches on every DP rank
             count = max(len(_group(samples, share, costs, batching, shape)) for share in shares)
+            if shape.vpp_size > 1:  # megatron's interleaved schedule runs micro-batches in groups of PP
+                count = -(-count // shape.pp_size) * shape.pp_size
         else:
             count = 1
         groups = _group(samples, shares[shape.dp_rank], costs, batching, shape, count)

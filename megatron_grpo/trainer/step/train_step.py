@@ -76,9 +76,12 @@ def _run_schedule(model_chunks, micro_batches: list[MicroBatch], loss_func, forw
     micro_batches = [_to_device(mb, device) for mb in micro_batches]
     geometry = _geometry(micro_batches)
     forward_backward = get_forward_backward_func()
+    # The interleaved schedule (virtual pipeline) runs each model chunk over every micro-batch, in
+    # order, from an iterator of its own.
+    data = iter(micro_batches) if len(model_chunks) == 1 else [iter(micro_batches) for _ in model_chunks]
     return forward_backward(
         forward_step_func=partial(_forward_step, loss_func),
-        data_iterator=iter(micro_batches),
+        data_iterator=data,
         model=model_chunks,
         num_microbatches=len(micro_batches),
         seq_length=geometry.seq_length,
