@@ -8,6 +8,8 @@ losses, gradients and optimizer step:
   * PP=2 (and TP=2 x PP=2, world 4) get_forward_backward_func vs PP=1: losses and grads
   * DP=2, megatron DDP + distributed optimizer: one step == DP=1 on the full batch, and a
     dist_checkpointing save/load of model + optimizer resumes to the uninterrupted parameters
+  * the sequence-parallel gather / reduce-scatter with uneven split sizes (the MoE token dispatcher's
+    at ETP > 1), forward and backward, against the sums written out
 """
 from __future__ import annotations
 
@@ -348,6 +350,27 @@ def _dropout_is_quiet(rank, world_size):
     return {"dropout_ran": not torch.equal(first, second), "records": records}
 
 
+def _uneven_sequence_collectives(rank, world_size):
+    """megatron's first-dim gather and reduce-scatter over TP with uneven split sizes, as the MoE
+    all-to-all dispatcher calls them; the upstream gradient of each rank is scaled by rank + 1."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
+                                                        reduce_scatter_to_sequence_parallel_region)
+
+    _init(tp=2, sp=True)
+    group = parallel_state.get_tensor_model_parallel_group()
+    sizes = [3, 5]
+    local = (torch.arange(sizes[rank] * 2, dtype=torch.float32).reshape(-1, 2) + 100 * rank).requires_grad_()
+    gathered = gather_from_sequence_parallel_region(local, group=group, output_split_sizes=sizes)
+    weights = torch.arange(sum(sizes) * 2, dtype=torch.float32).reshape(-1, 2)
+    (gathered * weights * (rank + 1)).sum().backward()
+    full = (torch.arange(sum(sizes) * 2, dtype=torch.float32).reshape(-1, 2) * (rank + 1)).requires_grad_()
+    scattered = reduce_scatter_to_sequence_parallel_region(full, group=group, input_split_sizes=sizes)
+    (scattered * (rank + 1)).sum().backward()
+    return {"gathered": gathered.detach(), "local_grad": local.grad, "scattered": scattered.detach(),
+            "full_grad": full.grad}
+
+
 # ----------------------------------------------------------------------------- tests
 
 
@@ -420,3 +443,16 @@ def test_cpu_rng_warning_is_silenced():
     result = run_distributed(_dropout_is_quiet, world_size=1, timeout=120)[0]
     assert result["dropout_ran"]
     assert "CPU RNG state changed within GPU RNG context" not in result["records"]
+
+
+def test_uneven_sequence_parallel_gather_and_reduce_scatter():
+    sizes = [3, 5]
+    results = run_distributed(_uneven_sequence_collectives, world_size=2, timeout=120)
+    rows = torch.arange(sum(sizes) * 2, dtype=torch.float32).reshape(-1, 2)
+    locals_ = [torch.arange(n * 2, dtype=torch.float32).reshape(-1, 2) + 100 * r for r, n in enumerate(sizes)]
+    ones_by_rank = torch.cat([torch.full((n, 2), r + 1.0) for r, n in enumerate(sizes)])
+    for rank, result in enumerate(results):
+        assert torch.equal(result["gathered"], torch.cat(locals_))
+        assert torch.equal(result["local_grad"], (3 * rows).split(sizes)[rank])  # (1 + 2) x the weights
+        assert torch.equal(result["scattered"], (3 * rows).split(sizes)[rank])  # rows x 1 + rows x 2
+        assert torch.equal(result["full_grad"], ones_by_rank)  # each rank's slice, scaled by its rank + 1

@@ -8,6 +8,9 @@ group) run one update on the same 16 uneven sequences from the same HF weights a
              experts EP2 x ETP1 (expert-DP 2)
   EP2xPP2    4 ranks: PP2 x DP2, experts EP2 per stage
   EP2xDP2    4 ranks: DP4, experts EP2 x expert-DP 2
+  EP2xTP2xETP2  4 ranks: TP2 (sequence parallel) x DP2, experts EP2 x ETP2 (expert-DP 1): ETP = TP,
+             megatron's default; the dispatcher all-gathers the TP ranks' tokens in uneven counts (on gloo
+             through launch/cpu.py's uneven-ag patch)
 Compared with the single process: loss, policy loss, entropy, grad norm, and every weight's update
 (after minus before; the weights exported as HF tensors, experts gathered over EP). Capacity factor off: no token is
 dropped, so the layouts compute the same sums in different orders.
@@ -105,6 +108,7 @@ LAYOUTS = {
     "ep2-tp2": (4, dict(expert=2, tensor=2, expert_tensor=1, sequence_parallel=True)),
     "ep2-pp2": (4, dict(expert=2, pipeline=2)),
     "ep2-dp2": (4, dict(expert=2)),
+    "ep2-tp2-etp2": (4, dict(expert=2, tensor=2, expert_tensor=2, sequence_parallel=True)),
 }
 
 

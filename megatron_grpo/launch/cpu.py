@@ -28,6 +28,14 @@ What each patch fixes:
   a2a-split the all-to-all token dispatcher turns its split sizes into numpy arrays only when it
             moves them off a CUDA device (maybe_move_tensor_to_cpu); CPU tensors stay tensors and
             all_to_all_single refuses them as split sizes. CPU tensors asked for as numpy become numpy.
+  uneven-ag with ETP > 1 and sequence parallel, the all-to-all token dispatcher gathers each TP
+            rank's tokens for its experts (dispatch_postprocess) and, in the backward of its
+            reduce-scatter (combine_preprocess), their gradients: tensor_parallel.mappings.
+            _gather_along_first_dim with output_split_sizes, a torch.distributed.all_gather into
+            uneven chunks. NCCL does that as one broadcast per rank; gloo refuses it
+            ("ProcessGroupGloo::allgather: invalid tensor size"). Uneven sizes are gathered padded
+            to the longest and trimmed (every rank holds the sizes); even ones go to megatron.
+            The uneven reduce-scatter of the same paths works on gloo as it is.
   adam-step megatron's 'fully_reshardable' optimizer load copies every key of torch AdamW's
             per-parameter state, 'step' included, from tensors that carry none (the step is in
             the param groups) -> KeyError: 'step'. The step is left to
@@ -89,6 +97,7 @@ def apply_cpu_compat() -> bool:
     _patch_fully_reshardable_adam_step()
     _define_missing_te_moe_kernels()
     _patch_dispatcher_split_sizes()
+    _patch_uneven_first_dim_gather()
     global _redirect_mode
     _redirect_mode = _CudaAllocationsToCpu()
     _redirect_mode.__enter__()  # left active for the life of the process
@@ -232,6 +241,26 @@ def _patch_dispatcher_split_sizes() -> None:
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     token_dispatcher.maybe_move_tensor_to_cpu = move
+
+
+def _patch_uneven_first_dim_gather() -> None:
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    original = mappings._gather_along_first_dim
+
+    @functools.wraps(original)
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or len(set(output_split_sizes)) == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        chunks = list(padded.new_empty((len(output_split_sizes) * longest, *input_.shape[1:]))
+                      .split(longest))
+        torch.distributed.all_gather(chunks, padded, group=group)
+        return torch.cat([chunk[:size] for chunk, size in zip(chunks, output_split_sizes)])
+
+    mappings._gather_along_first_dim = gather
 
 
 def _patch_fully_reshardable_adam_step() -> None:
