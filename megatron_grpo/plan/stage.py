@@ -132,7 +132,7 @@ def run_stage_phases(job: StageJob, stage: int, rank: int, fake: bool) -> StageM
 
         count = job.train_micro_batches or _in_flight(job.layout)
         samples = _longest_samples(cfg, count)
-        passes = _micro_batches(cfg, arch, samples, purpose="old_logprobs", count=1)
+        passes = _micro_batches(cfg, arch, samples, purpose="old_logprobs", count=_forward_micro_batches(job.layout))
         with tracker.phase("old-log-prob pass", "activations"), logits_apart(tracker, policy):
             _forward_only(policy, passes, cfg, arch, device)
         if with_reference:
@@ -143,12 +143,12 @@ def run_stage_phases(job: StageJob, stage: int, rank: int, fake: bool) -> StageM
                                                           backend="memory-model",
                                                           fp32_lm_head=cfg.model.fp32_lm_head)
                     with logits_apart(tracker, offloaded):
-                        _forward_only(offloaded, _micro_batches(cfg, arch, samples, "ref_logprobs", 1), cfg,
+                        _forward_only(offloaded, _micro_batches(cfg, arch, samples, "ref_logprobs", len(passes)), cfg,
                                       arch, device)
                     del offloaded
                 else:
                     with logits_apart(tracker, reference):
-                        _forward_only(reference, _micro_batches(cfg, arch, samples, "ref_logprobs", 1), cfg,
+                        _forward_only(reference, _micro_batches(cfg, arch, samples, "ref_logprobs", len(passes)), cfg,
                                       arch, device)
         train = _micro_batches(cfg, arch, samples, purpose="train", count=count)
         with tracker.phase("train forward/backward + optimizer step", "activations"), logits_apart(tracker, policy):
@@ -200,8 +200,18 @@ def logits_apart(tracker: MemoryTracker, chunks) -> Iterator[None]:
 
 
 def _in_flight(layout: ParallelLayout) -> int:
-    """Micro-batches whose activations the first pipeline stage can hold at once, plus one."""
-    return layout.pipeline * (layout.virtual_pipeline or 1) + 1 if layout.pipeline > 1 else 1
+    """Micro-batches whose activations the first pipeline stage can hold at once, plus one; under
+    the interleaved schedule rounded up to its micro-batch groups of PP (the trainer's count too)."""
+    if layout.pipeline == 1:
+        return 1
+    count = layout.pipeline * (layout.virtual_pipeline or 1) + 1
+    return -(-count // layout.pipeline) * layout.pipeline if layout.virtual_pipeline else count
+
+
+def _forward_micro_batches(layout: ParallelLayout) -> int:
+    """A forward-only pass holds one micro-batch's activations at a time; the interleaved schedule
+    needs at least PP micro-batches."""
+    return layout.pipeline if layout.virtual_pipeline else 1
 
 
 def _longest_samples(cfg: Config, micro_batches: int):
