@@ -14,7 +14,7 @@ VERSION_SENSITIVE = frozenset({
     "test_checkpoint", "test_context_parallel", "test_convert", "test_export_errors", "test_fused_head",
     "test_mcore_compat", "test_megatron_cpu", "test_models", "test_moe_metrics", "test_moe_models",
     "test_moe_replay", "test_packing", "test_packing_equivalence", "test_resume", "test_rollout_local",
-    "test_stage_sync", "test_support_logprobs", "test_trainer_batching",
+    "test_stage_sync", "test_support_logprobs", "test_torch_varlen", "test_trainer_batching",
     "test_vocab_parallel", "test_weight_sync_megatron",
 })
 

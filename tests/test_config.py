@@ -545,6 +545,31 @@ def test_settings_not_yet_wired_are_refused_at_config_time():
     validate(valid("ref.max_tokens_per_micro_batch=4096"))  # wired (the reference pass's own budget)
 
 
+def test_attention_backend_replaces_transformer_impl_and_checks_the_recipe():
+    """model.attention_backend (models/spec.py) is the one key for the attention / layer spec: the
+    old model.transformer_impl names its replacement; what only the node can say (TE imports, CUDA,
+    torch's varlen_attn) is checked when the model is built (tests/test_torch_varlen.py)."""
+    assert Config().model.attention_backend == "auto"
+    assert error_of(load_config, None, ["model.transformer_impl=local"]) == (
+        "unknown key 'model.transformer_impl' (override 'model.transformer_impl=local'): replaced by "
+        "model.attention_backend: auto | te | torch_varlen | local (transformer_engine -> te, local -> local)")
+    assert "did you mean 'model.attention_backend'" not in error_of(load_config, None,
+                                                                      ["model.transformer_impl=transformer_engine"])
+    assert "one of 'auto', 'te', 'torch_varlen', 'local'" in error_of(load_config, None,
+                                                                     ["model.attention_backend=flash"])
+    for backend in ("auto", "te", "torch_varlen", "local"):
+        validate(valid(f"model.attention_backend={backend}"))
+    assert error_of(validate, valid("model.attention_backend=torch_varlen", "trainer.device=cpu")) == (
+        "model.attention_backend=torch_varlen needs CUDA (torch's FlashAttention varlen kernel), but "
+        "trainer.device=cpu: set model.attention_backend=local (or auto)")
+    assert error_of(validate, valid("model.attention_backend=te", "trainer.device=cpu")).startswith(
+        "model.attention_backend=te needs CUDA (Transformer Engine)")
+    assert error_of(validate, valid("model.attention_backend=torch_varlen", "model.dtype=float32")).startswith(
+        "model.attention_backend=torch_varlen needs model.dtype=bfloat16 (or auto on GPU)")
+    validate(valid("model.attention_backend=local", "trainer.device=cpu", "model.dtype=float32"))
+    validate(valid("model.attention_backend=torch_varlen", "parallel.context=2"))  # CP included
+
+
 def _config_reads(tree) -> set[tuple[str, str]]:
     """(section, key) of every `<...>.section.key` attribute read in a module."""
     import ast

@@ -183,6 +183,10 @@ def test_every_key_with_a_meaning_here_translates():
      {"parallel.expert": 8, "parallel.expert_tensor": 1, "actor.moe_routing_replay": True}),
     (["actor_rollout_ref.actor.megatron.router_replay.mode=disabled"], {"actor.moe_routing_replay": False}),
     (["+actor_rollout_ref.actor.router_replay.mode=R3"], {"actor.moe_routing_replay": True}),
+    (["actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend=auto"],
+     {"model.attention_backend": "auto"}),
+    (["actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend=fused"],
+     {"model.attention_backend": "te"}),  # a kernel inside Transformer Engine's attention
 ])
 def test_translations(args, expected):
     values = translate(parse_command_line(args)).values

@@ -102,10 +102,19 @@ def suggest(key: str, section: type, root: type) -> str | None:
     return match[0] if match else None
 
 
+# Keys this project had and replaced: the error says what took their place.
+RETIRED_KEYS = {
+    "model.transformer_impl": "replaced by model.attention_backend: auto | te | torch_varlen | local "
+                              "(transformer_engine -> te, local -> local)",
+}
+
+
 def unknown_key_error(key: str, section: type, root: type, where: str, full_key: str | None = None) -> ConfigError:
     """`key` is the first unknown part of `full_key` (an override's whole key, when there is one)."""
     from megatron_grpo.config import verl_keys
 
+    if key in RETIRED_KEYS:
+        return ConfigError(f"unknown key '{key}'{where}: {RETIRED_KEYS[key]}")
     # a verl key gets its meaning here, not a spelling guess
     for candidate in dict.fromkeys(k for k in (full_key, key) if k):
         verl = verl_keys.hint(candidate)

@@ -38,7 +38,12 @@ class ModelConfig:
     override_config: dict[str, Any] = field(default_factory=dict)
     dtype: Dtype = "auto"  # auto = bfloat16 on GPU, float32 on CPU; float16 is refused (validate.py)
     make_vocab_size_divisible_by: int = 128  # megatron pads the vocab to a multiple of this x TP
-    transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"  # auto = TE if importable
+    # Attention (models/spec.py): te = Transformer Engine's layer spec; torch_varlen = megatron's local
+    # modules, packed micro-batches through torch's FlashAttention varlen kernel (CUDA, bf16); local =
+    # megatron's local modules with our attention (runs anywhere); auto = te if it imports, else
+    # torch_varlen on CUDA with a bf16 model, else local (the choice is logged at start). Replaces
+    # model.transformer_impl (transformer_engine -> te).
+    attention_backend: Literal["auto", "te", "torch_varlen", "local"] = "auto"
     # The LM head's matmul in fp32 on both sides (trainer, local engine, SGLang's --enable-fp32-lm-head):
     # bf16 logits are the largest source of engine-vs-trainer mismatch; nothing changes in an fp32 model.
     fp32_lm_head: bool = False

@@ -25,7 +25,7 @@ FILTER_METRICS = ("acc", "score", *PENALISED_FILTER_METRICS)
 # its default is a config error instead of being silently ignored; their values are not checked
 # otherwise. A key leaves this list in the change that wires it.
 NOT_YET_WIRED = (
-    "model.transformer_impl", "model.trust_remote_code", "data.apply_chat_template",
+    "model.trust_remote_code", "data.apply_chat_template",
     "actor.shuffle", "reward.format_score", "checkpoint.async_save", "logging.log_interval",
     "logging.wandb_entity", "logging.wandb_mode", "eval.val_batch_size",
 )
@@ -71,6 +71,15 @@ def _model(c: Config, out: list[str]) -> None:
         out.append(f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} must be >= 1")
     if m.recompute_num_layers < 1:
         out.append(f"model.recompute_num_layers={m.recompute_num_layers} must be >= 1")
+    # Whether te / torch_varlen can run on this node (TE imports, CUDA, torch's varlen_attn) is checked
+    # when the model is built (models/spec.py resolve_backend); here only what the recipe says.
+    if m.attention_backend in ("te", "torch_varlen") and c.trainer.device == "cpu":
+        out.append(f"model.attention_backend={m.attention_backend} needs CUDA ("
+                   + ("Transformer Engine" if m.attention_backend == "te" else "torch's FlashAttention varlen kernel")
+                   + "), but trainer.device=cpu: set model.attention_backend=local (or auto)")
+    if m.attention_backend == "torch_varlen" and m.dtype == "float32":
+        out.append("model.attention_backend=torch_varlen needs model.dtype=bfloat16 (or auto on GPU): FlashAttention "
+                   "has no float32 kernel; use model.attention_backend=local for float32")
     dims = model_dims(m)
     p = c.parallel
     if dims.num_attention_heads is not None and dims.num_attention_heads % p.tensor:

@@ -250,6 +250,22 @@ def _recompute(ours: str) -> Converter:
     return convert
 
 
+def _attention_backend(value: Any, given: Mapping[str, Any], key: str) -> Translation:
+    """megatron-core's AttnBackend: auto / local are ours too; flash / fused / unfused pick a kernel
+    inside Transformer Engine's attention, which here is te (TE chooses its kernel itself)."""
+    text = str(value).lower()
+    if value is None or text.startswith("${"):
+        return Translation({})
+    if text in ("auto", "local"):
+        return Translation({"model.attention_backend": text})
+    if text in ("flash", "fused", "unfused"):
+        return Translation({"model.attention_backend": "te"},
+                           f"attention_backend={value}: Transformer Engine's attention (model.attention_backend=te), "
+                           "which picks its own kernel")
+    return Translation({}, f"attention_backend={value!r} is not a megatron-core attention backend (auto, local, "
+                           "flash, fused, unfused); model.attention_backend stays auto")
+
+
 def _sequence_parallel(value: Any, given: Mapping[str, Any], key: str) -> Translation:
     tp = given.get(f"{ACTOR}.megatron.tensor_model_parallel_size", 1)
     if _truthy(value) and int(tp) > 1:
@@ -388,7 +404,7 @@ _FSDP = "FSDP setting; this trainer is Megatron (parallel.* sets the layout)"
 _ENGINE_TUNING = "inference-engine tuning: pass SGLang server flags in rollout.sglang.extra_args"
 _LOG_PROB_MB = "the old / reference log-prob passes use the actor's micro-batches (actor.max_tokens_per_micro_batch)"
 _REF_LAYOUT = "the reference model shares the actor's layout and settings (parallel.*)"
-_KERNELS = "kernel / compile choice: megatron-core's own kernels are used (model.transformer_impl)"
+_KERNELS = "kernel / compile choice: megatron-core's own kernels are used (the attention: model.attention_backend)"
 _NO_LORA = "LoRA is not supported: full-parameter training"
 _NO_MM = "multimodal inputs are not supported (text prompts only)"
 _NO_MULTITURN = ("verl's agent loop and tool configs do not carry over: multi-turn / tool-calling rollouts here "
@@ -534,6 +550,8 @@ TABLE: tuple[VerlKey, ...] = (
          _recompute("model.recompute_method")),
     conv(f"{ACTOR}.megatron.override_transformer_config.recompute_num_layers", ("model.recompute_num_layers",), "",
          _recompute("model.recompute_num_layers")),
+    conv(f"{ACTOR}.megatron.override_transformer_config.attention_backend", ("model.attention_backend",),
+         "auto, local as they are; flash / fused / unfused (Transformer Engine's kernels) -> te", _attention_backend),
     none(f"{ACTOR}.megatron.override_transformer_config.*", "not supported: the layer spec is megatron_grpo.models'"),
     none(f"{ACTOR}.megatron.override_mcore_model_config", "not supported"),
     none(f"{ACTOR}.megatron.override_ddp_config", "not supported"),

@@ -36,7 +36,7 @@ class Recompute:
 
 def transformer_config(model_config: ModelArchitecture, layout: ParallelLayout, dtype: torch.dtype = torch.float32,
                        recompute: Recompute = Recompute(), backend: Backend = "auto"):
-    """The megatron TransformerConfig of this model under `layout`."""
+    """The megatron TransformerConfig of this model under `layout` (`backend`: model.attention_backend)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -89,7 +89,7 @@ def transformer_config(model_config: ModelArchitecture, layout: ParallelLayout, 
         recompute_granularity=recompute.granularity,
         recompute_method=recompute.method if recompute.granularity == "full" else None,
         recompute_num_layers=recompute.num_layers if recompute.granularity == "full" else None,
-        **moe_config(model_config, layout, grouped_gemm=resolve_backend(backend) == "te",
+        **moe_config(model_config, layout, grouped_gemm=resolve_backend(backend, dtype) == "te",
                      balanced_routing=backend == "memory-model"),
     )
 
@@ -170,6 +170,7 @@ def _build(model_config: ModelArchitecture, layout: ParallelLayout | None, dtype
         layout = dataclasses.replace(layout, expert_tensor=layout.tensor)
     if layout is not None and layout != actual:
         raise ConfigError(f"build_model: layout {layout} differs from the initialised parallel state {actual}")
+    backend = resolve_backend(backend, dtype)  # model.attention_backend -> te / torch_varlen / local (logged once)
     config = transformer_config(model_config, actual, dtype, recompute, backend)
     vp_stages = [None] if actual.virtual_pipeline is None else list(range(actual.virtual_pipeline))
     chunks = []
@@ -178,7 +179,7 @@ def _build(model_config: ModelArchitecture, layout: ParallelLayout | None, dtype
         post = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
         spec = block_spec(model_config, config, actual.context, backend, vp_stage)
         chunks.append(_build_chunk(model_config, config, spec, pre, post, vp_stage, dtype,
-                                   local_context_parallel=actual.context > 1 and resolve_backend(backend) == "local",
+                                   local_context_parallel=actual.context > 1 and backend != "te",
                                    fp32_lm_head=fp32_lm_head))
     return chunks
 

@@ -1,15 +1,24 @@
-"""Which transformer-layer implementation to build: Transformer Engine's when it imports, else
-megatron-core's local modules with our core attention: ops.varlen_attention's (megatron's own for
-padded batches, plus packed THD sequences) at CP = 1, ops.context_parallel's when CP > 1.
+"""Which attention backend a model is built with (model.attention_backend), and its layer spec.
+
+  te            Transformer Engine's layer spec (its fused attention, THD packing and context
+                parallel); refused when transformer_engine does not import.
+  torch_varlen  megatron-core's local modules with our core attention, packed micro-batches through
+                torch's FlashAttention varlen kernel (ops.torch_varlen; CUDA, torch >= 2.10, bf16),
+                under context parallelism too; padded micro-batches as `local`.
+  local         megatron-core's local modules with our core attention: ops.varlen_attention's
+                (megatron's own for padded batches, plus packed THD sequences) at CP = 1,
+                ops.context_parallel's when CP > 1. Runs anywhere (the CPU path).
+  auto          te when transformer_engine imports, else torch_varlen when it can run here (CUDA,
+                a bf16 model), else local.
+The choice and its reason are logged once per process ("attention backend: ...").
 
 MoE models get one spec per layer (block_spec): megatron's MoELayer (router, token dispatcher,
 experts) on sparse layers, the dense MLP elsewhere. Experts are megatron's SequentialMLP (one
-MLP per local expert, works on CPU) on the local backend and TE's grouped GEMM (TEGroupedMLP)
+MLP per local expert, works on CPU) on the local modules and TE's grouped GEMM (TEGroupedMLP)
 with Transformer Engine; both hold the same weights per expert."""
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 from typing import Literal
 
@@ -19,26 +28,46 @@ from megatron_grpo.optional import available
 
 log = logging.getLogger(__name__)
 
-# "memory-model": the local modules with a fused attention's memory instead of the CPU kernel
-# (ops/flash_attention_memory.py), for the memory planner's fake-tensor models; it computes nothing.
-Backend = Literal["auto", "te", "local", "memory-model"]
+# model.attention_backend's values; "memory-model": the local modules with a fused attention's
+# memory instead of the CPU kernel (ops/flash_attention_memory.py), for the memory planner's
+# fake-tensor models; it computes nothing.
+Backend = Literal["auto", "te", "torch_varlen", "local", "memory-model"]
+BACKENDS = ("auto", "te", "torch_varlen", "local")
+_logged: set[str] = set()  # backends whose choice this process has logged
 
 
-@functools.lru_cache(maxsize=None)
-def resolve_backend(requested: Backend = "auto") -> str:
-    """'te' or 'local'; the automatic choice is logged once per process."""
+def resolve_backend(requested: Backend = "auto", dtype=None) -> str:
+    """'te', 'torch_varlen' or 'local' ('memory-model' stays itself). `dtype`: the model's, where
+    known (torch_varlen needs bf16 / fp16). ConfigError when the requested backend cannot run here.
+    The first resolution to each backend in a process logs it with its reason."""
     if requested == "memory-model":
-        return "local"
-    if requested not in ("auto", "te", "local"):
-        raise ConfigError(f"model layer backend {requested!r}: expected auto, te or local")
+        return requested
+    if requested not in BACKENDS:
+        raise ConfigError(f"model.attention_backend={requested!r}: expected one of {', '.join(BACKENDS)}")
+    from megatron_grpo.ops.torch_varlen import unavailable_reason
+
     te_ok = available("transformer_engine")
     if requested == "te" and not te_ok:
-        raise ConfigError("layer backend 'te' requested but transformer_engine does not import: "
-                          "pip install 'megatron-grpo[gpu]'")
-    backend = "te" if requested == "te" or (requested == "auto" and te_ok) else "local"
-    log.info("transformer layer spec: %s (%s)", backend,
-             "Transformer Engine" if backend == "te" else "megatron-core local modules, transformer_engine "
-             "not used" + ("" if te_ok else " (not installed)"))
+        raise ConfigError("model.attention_backend=te but transformer_engine does not import: pip install "
+                          "'megatron-grpo[gpu]', or set model.attention_backend=torch_varlen (CUDA) or local")
+    varlen_problem = unavailable_reason(dtype) if requested in ("auto", "torch_varlen") else None
+    if requested == "torch_varlen" and varlen_problem:
+        raise ConfigError(f"model.attention_backend=torch_varlen: {varlen_problem}; set model.attention_backend="
+                          "local (or auto)")
+    if requested != "auto":
+        backend, why = requested, f"model.attention_backend={requested}"
+    elif te_ok:
+        backend, why = "te", "auto: transformer_engine imports"
+    elif varlen_problem is None:
+        import torch
+
+        backend = "torch_varlen"
+        why = f"auto: transformer_engine not installed; CUDA, torch {torch.__version__}'s varlen_attn"
+    else:
+        backend, why = "local", f"auto: transformer_engine not installed; torch_varlen not usable: {varlen_problem}"
+    if backend not in _logged:
+        _logged.add(backend)
+        log.info("attention backend: %s (%s)", backend, why)
     return backend
 
 
@@ -48,22 +77,40 @@ def layer_spec(model_config: ModelArchitecture, context_parallel: int = 1, backe
     from megatron_grpo.launch.mcore_compat import local_layer_spec, transformer_engine_layer_spec
 
     experts = model_config.num_experts if sparse else None
-    if resolve_backend(backend) == "te":
+    backend = resolve_backend(backend)
+    if backend == "te":
         # TE's attention implements context parallelism itself.
         return transformer_engine_layer_spec(qk_layernorm=model_config.qk_norm, num_experts=experts,
                                              moe_grouped_gemm=sparse)
+    if backend == "torch_varlen" and model_config.attention_dropout > 0:
+        raise ConfigError(f"model.attention_backend=torch_varlen: the model's attention_dropout="
+                          f"{model_config.attention_dropout}, but torch's varlen_attn has no dropout; use "
+                          "model.attention_backend=local")
     spec = copy.deepcopy(local_layer_spec(qk_layernorm=model_config.qk_norm, normalization="RMSNorm",
                                           num_experts=experts))
-    if backend == "memory-model":
-        from megatron_grpo.ops.flash_attention_memory import FlashAttentionMemoryModel as core_attention
-    elif context_parallel > 1:
-        # megatron's local DotProductAttention asserts CP == 1 and refuses packed sequences.
-        from megatron_grpo.ops.context_parallel import ContextParallelDotProductAttention as core_attention
-    else:
-        # megatron's DotProductAttention for padded batches, ours for packed ones.
-        from megatron_grpo.ops.varlen_attention import PackedDotProductAttention as core_attention
-    spec.submodules.self_attention.submodules.core_attention = core_attention
+    spec.submodules.self_attention.submodules.core_attention = core_attention(backend, context_parallel)
     return spec
+
+
+def core_attention(backend: str, context_parallel: int = 1) -> type:
+    """The core-attention module of the local spec for a resolved backend (not te)."""
+    if backend == "memory-model":
+        from megatron_grpo.ops.flash_attention_memory import FlashAttentionMemoryModel
+
+        return FlashAttentionMemoryModel
+    if backend == "torch_varlen":
+        from megatron_grpo.ops.torch_varlen import TorchVarlenContextParallelAttention, TorchVarlenDotProductAttention
+
+        return TorchVarlenContextParallelAttention if context_parallel > 1 else TorchVarlenDotProductAttention
+    if context_parallel > 1:
+        # megatron's local DotProductAttention asserts CP == 1 and refuses packed sequences.
+        from megatron_grpo.ops.context_parallel import ContextParallelDotProductAttention
+
+        return ContextParallelDotProductAttention
+    # megatron's DotProductAttention for padded batches, ours for packed ones.
+    from megatron_grpo.ops.varlen_attention import PackedDotProductAttention
+
+    return PackedDotProductAttention
 
 
 def block_spec(model_config: ModelArchitecture, config, context_parallel: int = 1, backend: Backend = "auto",

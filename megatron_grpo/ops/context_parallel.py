@@ -15,8 +15,9 @@ megatron / TE, so batches, RoPE and losses line up with the TE path:
     segment in 2*CP chunks (packed_local_positions, megatron's / TE's thd_get_partitioned_indices);
     their attention is ops.varlen_attention.context_parallel_packed_attention.
 
-Memory is O(s_local * s) per head, fine for CPU tests and moderate lengths; TE's ring attention is
-the production path on GPUs (models/spec.py picks it when transformer_engine imports).
+Memory is O(s_local * s) per head, fine for CPU tests and moderate lengths; on GPUs TE's ring
+attention (model.attention_backend=te) or, for packed rows, torch's varlen_attn over the same
+gathered K / V (ops/torch_varlen.py, torch_varlen) is the production path.
 """
 from __future__ import annotations
 
@@ -154,8 +155,7 @@ class ContextParallelDotProductAttention(_core_attention_base()):
 
         if is_thd(packed_seq_params):
             # megatron's attention squeezed THD inputs to [t, heads, d] (batch dimension 1)
-            context = context_parallel_packed_attention(query, key, value, packed_seq_params, self.softmax_scale,
-                                                        self.cp_group, attention_dropout(self, self.dropout))
+            context = self.packed_attention(query, key, value, packed_seq_params)
             return context.reshape(context.size(0), self.heads * query.size(-1))
         if packed_seq_params is not None:
             raise NotImplementedError(f"context-parallel attention: qkv_format {packed_seq_params.qkv_format!r}")
@@ -182,6 +182,12 @@ class ContextParallelDotProductAttention(_core_attention_base()):
                 probs = self.dropout(probs)
         context = torch.einsum("bhqk,kbhd->qbhd", probs, values)
         return context.reshape(sq, query.size(1), self.heads * query.size(3))
+
+
+    def packed_attention(self, query, key, value, packed_seq_params):
+        """This rank's [t, heads, d] -> [t, heads, d]; ops.torch_varlen's subclass runs torch's varlen_attn."""
+        return context_parallel_packed_attention(query, key, value, packed_seq_params, self.softmax_scale,
+                                                 self.cp_group, attention_dropout(self, self.dropout))
 
 
 def _rotary_base():

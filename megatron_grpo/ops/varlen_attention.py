@@ -246,6 +246,10 @@ class PackedDotProductAttention(_dot_product_attention_base()):
             raise NotImplementedError("packed attention: attention bias is not supported")
         check_packed_supported(self.config, self.attn_mask_type)
         # megatron's attention squeezed THD inputs to [t, heads, d] (batch dimension 1)
-        context = packed_causal_attention(query, key, value, packed_seq_params, self.softmax_scale,
-                                          attention_dropout(self, self.attention_dropout))
+        context = self.packed_attention(query, key, value, packed_seq_params)
         return context.reshape(context.size(0), self.hidden_size_per_partition)
+
+    def packed_attention(self, query, key, value, packed_seq_params):
+        """[t, heads, d] -> [t, heads, d]; ops.torch_varlen's subclass runs torch's varlen_attn instead."""
+        return packed_causal_attention(query, key, value, packed_seq_params, self.softmax_scale,
+                                       attention_dropout(self, self.attention_dropout))

@@ -201,7 +201,8 @@ def build_run(cfg: Config) -> Run:
     recompute = Recompute(granularity=None if cfg.model.recompute_granularity == "none"
                           else cfg.model.recompute_granularity,
                           method=cfg.model.recompute_method, num_layers=cfg.model.recompute_num_layers)
-    chunks = build_model(model_config, layout, dtype=dtype, recompute=recompute, fp32_lm_head=cfg.model.fp32_lm_head)
+    chunks = build_model(model_config, layout, dtype=dtype, recompute=recompute, fp32_lm_head=cfg.model.fp32_lm_head,
+                         backend=cfg.model.attention_backend)
     load_hf_weights(chunks, model_config, model_dir)
     for chunk in chunks:
         chunk.to(device)
@@ -215,7 +216,8 @@ def build_run(cfg: Config) -> Run:
 
     reference = None
     if kl_reference_needed(cfg):
-        reference = build_reference_model(model_config, layout, dtype=dtype, fp32_lm_head=cfg.model.fp32_lm_head)
+        reference = build_reference_model(model_config, layout, dtype=dtype, fp32_lm_head=cfg.model.fp32_lm_head,
+                                          backend=cfg.model.attention_backend)
         load_hf_weights(reference, model_config, cfg.ref.model_path or model_dir)
         if not cfg.ref.param_offload:  # offloaded: stays on the CPU, moved in only for its pass
             for chunk in reference:
