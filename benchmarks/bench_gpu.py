@@ -10,8 +10,8 @@ on CPU.
 
 Sections (each a row group of the table):
 1. train step MFU: a Qwen3-shaped model (random init; config dict -> ModelArchitecture.from_hf ->
-   models.build_model, local spec or TE spec when transformer_engine imports, bf16, Megatron DDP +
-   distributed optimizer) runs trainer.step.train_step.train_on_mini_batch, the trainer's own update
+   models.build_model with --backend's attention (auto: TE when it imports, else torch_varlen), bf16,
+   Megatron DDP + distributed optimizer) runs trainer.step.train_step.train_on_mini_batch, the trainer's own update
    (GRPO loss on vocab-parallel log-probs + entropy, one optimizer step) on fixed-length sequences.
    MFU = useful model FLOPs / step time / the card's dense bf16 peak, with useful FLOPs as the
    trainer counts them (trainer/step/flops.py: 3 x forward; forward = 2 x matmul parameters, the LM
@@ -222,7 +222,7 @@ def bench_train(args, device: torch.device, dtype: torch.dtype, report: Report, 
         tokens = sum(sequence_lengths)  # useful tokens: packing processes no others (bar kernel multiples)
         flops = training_flops(mc, sequence_lengths)
         achieved = flops / seconds / 1e12
-        backend = resolve_backend(args.backend)
+        backend = resolve_backend(args.backend, dtype)
         setting = (f"{args.model} ({params / 1e6:,.1f}M params, {backend} spec, bf16), {args.micro_batches} x "
                    f"[{args.micro_batch_rows} x {seq}] tokens, fwd+bwd+Adam"
                    + (f", packed: {tokens} useful tokens of responses 1..{args.response_length}" if packed else ""))
@@ -374,7 +374,9 @@ def bench_plan(args, device: torch.device, report: Report) -> None:
     import subprocess
 
     backend = report.raw.get("train", {}).get("backend", "local")
-    if backend != "local":  # the simulator builds megatron's local modules (TE does not run on fake tensors)
+    # The simulator builds megatron's local modules (TE does not run on fake tensors); the padded step
+    # runs the same attention under local and torch_varlen (varlen_attn takes packed rows only).
+    if backend not in ("local", "torch_varlen"):
         raise RuntimeError(f"the train section ran the {backend} spec; the plan check compares the local spec")
     command = [sys.executable, "-m", "megatron_grpo.plan.train_step", "--hf-config",
                json.dumps(hf_config(args.model, args.vocab_size)), "--rows", str(args.micro_batch_rows),
@@ -413,7 +415,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes; runs on CPU when there is no GPU")
     parser.add_argument("--model", choices=sorted(QWEN3), default="qwen3-1.7b")
     parser.add_argument("--vocab-size", type=int, default=None, help="override the model vocabulary (151936)")
-    parser.add_argument("--backend", choices=["auto", "local", "te"], default="auto", help="layer spec")
+    parser.add_argument("--backend", choices=["auto", "te", "torch_varlen", "local"], default="auto",
+                        help="model.attention_backend")
     parser.add_argument("--micro-batch-rows", type=int, default=8)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--prompt-length", type=int, default=256)

@@ -15,13 +15,19 @@ figures and its own name and error:
   env     versions and the device (python, torch, CUDA, megatron-core, transformers)
   pytest  pytest -m gpu tests/test_gpu.py: ops vs float64 dense torch, bf16 GPTModel vs fp32,
           local engine on the device and the training-inference log-prob mismatch
-  bench   benchmarks/bench_gpu.py: train-step MFU (Qwen3-1.7B shape), log-prob kernel bandwidth
-          vs HBM and a device copy, log-prob peak memory vs dense fp32, generation tokens/s, and the
-          memory planner's simulated peak of the train step vs torch.cuda.max_memory_allocated
+  bench   benchmarks/bench_gpu.py: train-step MFU (Qwen3-1.7B shape, padded rows), log-prob kernel
+          bandwidth vs HBM and a device copy, log-prob peak memory vs dense fp32, generation
+          tokens/s, and the memory planner's simulated peak of the train step vs
+          torch.cuda.max_memory_allocated
+  attention  benchmarks/bench_attention.py: torch's varlen_attn (model.attention_backend=torch_varlen)
+          vs the local packed attention: bf16 numerics against float64 under a derived bound (CP = 2
+          included), and the packed train step at the Qwen3-1.7B shape with each backend (time,
+          tokens/s, MFU, peak memory side by side)
   grpo    a 10-step GRPO run of a Qwen3-0.6B-shaped random model with the local engine: invariants
           and the step-time breakdown
 A part's box is its nominal seconds plus whatever earlier parts left unused, so the whole run ends
-within --budget-s (480 s on the device, inside the device call's 600 s with the wheel install).
+within --budget-s (480 s on the device, inside the device call's 600 s with the wheel install). The
+boxes are estimates: no part has run on a GPU yet.
 """
 from __future__ import annotations
 
@@ -411,7 +417,9 @@ def part_bench(ctx: Context, box_s: float) -> PartResult:
     log, report = ctx.out / "bench.log", ctx.out / "bench_gpu.json"
     if report.exists():
         report.unlink()
-    command = [ctx.python, "benchmarks/bench_gpu.py", "--json", str(report)] + (["--dry-run"] if ctx.dry_run else [])
+    # The packed train step is the attention part's, once per attention backend.
+    command = [ctx.python, "benchmarks/bench_gpu.py", "--json", str(report), "--train-modes", "padded"] + (
+        ["--dry-run"] if ctx.dry_run else [])
     result = PartResult(box_s=box_s)
     status, result.seconds = run_process(command, log, box_s, ctx.env())
     data = json.loads(report.read_text()) if report.is_file() else {}
@@ -435,6 +443,34 @@ def part_bench(ctx: Context, box_s: float) -> PartResult:
     return result
 
 
+def part_attention(ctx: Context, box_s: float) -> PartResult:
+    """benchmarks/bench_attention.py; its log and JSON stay in the work folder (OUT brings back at
+    most 8 files), its raw figures go into gpu_check.json."""
+    log, report = ctx.work / "attention.log", ctx.work / "bench_attention.json"
+    command = [ctx.python, "benchmarks/bench_attention.py", "--json", str(report)] + (
+        ["--dry-run"] if ctx.dry_run else [])
+    result = PartResult(box_s=box_s)
+    status, result.seconds = run_process(command, log, box_s, ctx.env())
+    data = json.loads(report.read_text()) if report.is_file() else {}
+    raw = data.get("raw", {})
+    result.figures = {key: raw.get(key) for key in ("numerics", "train", "errors", "running", "versions",
+                                                    "wall_seconds")}
+    for row in data.get("rows", []):
+        result.rows.append([f"{row['section']}: {row['setting']}", row["measured"], row.get("target", ""),
+                            row.get("verdict", "")])
+    errors = raw.get("errors") or {}
+    if status is None:
+        running = raw.get("running")
+        result.status = "timeout"
+        result.error = f"killed after {box_s:.0f} s" + (f" while running section {running!r}" if running else "")
+    elif status != 0 or errors:
+        result.status = "failed"
+        result.error = "; ".join(f"{k}: {v}" for k, v in errors.items()) if errors else log_tail(log)
+    else:
+        result.status = "ok"
+    return result
+
+
 @dataclass(frozen=True)
 class Part:
     name: str
@@ -443,8 +479,9 @@ class Part:
     dry_box_s: float  # nominal seconds in the CPU dry run
 
 
-PARTS = (Part("env", part_env, 40, 40), Part("pytest", part_pytest, 150, 90),
-         Part("bench", part_bench, 170, 60), Part("grpo", part_grpo, 110, 60))
+PARTS = (Part("env", part_env, 30, 40), Part("pytest", part_pytest, 140, 90),
+         Part("bench", part_bench, 140, 60), Part("attention", part_attention, 70, 30),
+         Part("grpo", part_grpo, 100, 60))
 
 
 def box_for(index: int, parts, deadline: float, now: float, dry_run: bool, floor_s: float = 20.0) -> float:
@@ -524,7 +561,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     runner = sub.add_parser("run", help="run the parts, write gpu_check.json / .md")
     runner.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "outputs" / "gpu_check"))
     runner.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes")
-    runner.add_argument("--budget-s", type=float, default=None, help="wall budget (default 480 device, 250 dry run)")
+    runner.add_argument("--budget-s", type=float, default=None, help="wall budget (default 480 device, 280 dry run)")
     runner.add_argument("--python", default=sys.executable, help="interpreter for the parts")
     args = parser.parse_args(argv)
     try:
@@ -533,7 +570,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command == "check-wheels":
             check_wheels(Path(args.wheels_dir))
             return 0
-        budget = args.budget_s or (250.0 if args.dry_run else 480.0)
+        budget = args.budget_s or (280.0 if args.dry_run else 480.0)
         return run(Path(args.out).resolve(), args.dry_run, budget, args.python)
     except CheckError as exc:
         print(f"error: {exc}", file=sys.stderr)

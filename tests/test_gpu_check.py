@@ -34,7 +34,7 @@ def test_dry_run_runs_every_part_and_writes_json_and_markdown(tmp_path):
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["mode"].startswith("dry-run")
     parts = report["parts"]
-    assert list(parts) == ["env", "pytest", "bench", "grpo"]
+    assert list(parts) == ["env", "pytest", "bench", "attention", "grpo"]
     assert {name: part["status"] for name, part in parts.items()} == dict.fromkeys(parts, "ok")
     # every GPU test ran (on CPU) and passed, none skipped; the figures came through the JUnit report
     tests = parts["pytest"]["figures"]["tests"]
@@ -48,6 +48,16 @@ def test_dry_run_runs_every_part_and_writes_json_and_markdown(tmp_path):
     assert bench["memory"]["a"]["peak_extra"] >= 0 and not bench["errors"]
     assert set(bench["targets"]) == {"train_mfu", "logprob_fwd_bwd_vs_copy", "logprob_memory_vs_dense", "plan_ratio"}
     assert bench["plan"]["simulated"]["peak_bytes"] > 0
+    # the attention backends: the torch_varlen path (the float64 stand-in in the CUDA kernel's place)
+    # and the local one within their bf16 bounds, CP = 2 included, and a packed train step with each
+    attention = parts["attention"]["figures"]
+    numerics = attention["numerics"]
+    assert numerics["kernel"].startswith("testing/varlen_reference.py") and not attention["errors"]
+    assert numerics["torch_varlen"]["holds"] and numerics["local"]["holds"] and numerics["context_parallel"]["holds"]
+    assert 0 < numerics["varlen_vs_local_output"] <= 1
+    train = attention["train"]
+    assert (train["local"]["backend"], train["torch_varlen"]["backend"]) == ("local", "torch_varlen")
+    assert train["local"]["tokens"] == train["torch_varlen"]["tokens"] > 0 and train["local_over_varlen_time"] > 0
     grpo = parts["grpo"]["figures"]
     assert grpo["steps_logged"] == 3 and all(v["holds"] for v in grpo["invariants"].values())
     assert grpo["median_steps_2_on"]["time/train"] > 0
