@@ -91,3 +91,33 @@ def test_other_bad_export_paths_name_what_is_wrong(convert_checkpoint, tmp_path,
         err = capsys.readouterr().err
         assert code in (1, 2) and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
         assert expected in err, (argv, err)
+
+
+def test_export_refuses_an_output_over_what_it_reads_even_with_force(tmp_path, capsys):
+    """`export RUN --out RUN/checkpoints/step_40 --force` once replaced the checkpoint it read with
+    the HF folder and exited 0: an --out that is, lies inside or holds the source (the checkpoint,
+    its checkpoints folder, its run folder, --hf-reference) is one line naming both, exit 2, and
+    nothing is touched."""
+    from megatron_grpo.convert.export_cli import main
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_40"
+    (step / "model_optim").mkdir(parents=True)
+    (step / "complete.json").write_text("{}")
+    cases = [
+        ([str(run), "--out", str(step)], f"--out {step} lies inside the source {run},"),
+        ([str(step), "--out", str(step)], f"--out {step} is the source {step},"),
+        ([str(step / "model_optim"), "--out", str(run)], f"--out {run} holds the source {step / 'model_optim'},"),
+        ([str(step), "--out", str(run / "hf")], f"--out {run / 'hf'} lies inside the run folder {run},"),
+        ([str(step), "--out", str(run / "checkpoints" / "step_35")],
+         f"lies inside the checkpoints folder {run / 'checkpoints'},"),
+        ([str(run), "--out", str(tmp_path / "base"), "--hf-reference", str(tmp_path / "base")],
+         f"--out {tmp_path / 'base'} is --hf-reference {tmp_path / 'base'},"),
+    ]
+    for argv, expected in cases:
+        code = main([*argv, "--force"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
+        assert expected in err and "even with --force" in err, (argv, err)
+    assert sorted(p.name for p in step.iterdir()) == ["complete.json", "model_optim"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]

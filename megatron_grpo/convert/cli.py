@@ -138,6 +138,54 @@ def _check_output(out: Path, force: bool) -> None:
         raise CheckpointError(f"{out}: output exists and is not empty (use --force to overwrite)")
 
 
+def refuse_output_over_sources(out: Path, sources: list[tuple[str, Path | None]]) -> None:
+    """--out may neither be, lie inside nor hold a folder the conversion reads: the output is
+    assembled beside it and renamed into place, replacing whatever --out held (--force), so it
+    would delete the checkpoint (or its run) while it is read. ConfigError (exit 2) naming both
+    paths, also with --force. `sources`: (what, folder) pairs."""
+    target = _absolute(out)
+    for what, folder in sources:
+        if folder is None:
+            continue
+        source = _absolute(folder)
+        if target == source:
+            relation = "is"
+        elif source in target.parents:
+            relation = "lies inside"
+        elif target in source.parents:
+            relation = "holds"
+        else:
+            continue
+        raise ConfigError(f"--out {out} {relation} {what} {folder}, which this command reads (the output "
+                          f"replaces --out's folder, even with --force): choose an --out outside it")
+
+
+def _absolute(path: Path) -> Path:
+    return Path(path).expanduser().resolve()
+
+
+def folders_read(ckpt: Path) -> list[tuple[str, Path]]:
+    """The folders `export` / `megatron-to-hf` read for the path a user gave (by name, before it is
+    resolved, so the check needs no complete checkpoint): the path, and for a training checkpoint
+    its checkpoints folder and its run folder."""
+    from megatron_grpo.checkpointing.layout import MODEL_OPTIM_DIR, STEP_DIR
+
+    path = _absolute(ckpt)
+    step = None
+    if path.name == MODEL_OPTIM_DIR and STEP_DIR.match(path.parent.name):
+        step = path.parent
+    elif STEP_DIR.match(path.name):
+        step = path
+    found = [("the source", ckpt)]
+    if step is not None:
+        found.append(("the checkpoints folder", step.parent))
+        if step.parent.name == "checkpoints":
+            found.append(("the run folder", step.parent.parent))
+    elif path.name == "checkpoints":
+        found.append(("the run folder", path.parent))
+    return found
+
+
 class _Distributed:
     """torch.distributed for the tool: torchrun's / srun's / mpirun's ranks when present, else one
     process (launch.init_distributed: port 0, no race for a free port); ends through
@@ -189,6 +237,7 @@ def hf_to_megatron(args) -> Path:
     from megatron_grpo.launch.parallel import initialize_model_parallel
     from megatron_grpo.models import ModelArchitecture, build_model
 
+    refuse_output_over_sources(args.out, [("--hf", args.hf)])
     _check_output(args.out, args.force)
     cfg = ModelArchitecture.from_hf(args.hf, tensor_parallel=args.tp, vocab_multiple=args.vocab_multiple)
     check_layout_fits(cfg, args.tp, args.pp, f"{args.hf}/config.json")
@@ -216,9 +265,13 @@ def megatron_to_hf(args) -> Path:
     from megatron_grpo.convert.to_hf import check_layout_fits, export_checkpoint_to_hf
     from megatron_grpo.launch.parallel import initialize_model_parallel
 
+    refuse_output_over_sources(args.out, [*folders_read(args.ckpt), ("--hf-reference", args.hf_reference)])
     _check_output(args.out, args.force)
     max_shard_bytes = parse_size(args.max_shard_size)
     source = resolve_source(args.ckpt, step=args.step, hf_reference=args.hf_reference)
+    # what resolving found: the step folder, and the model folder config.json and the tokenizer come from
+    refuse_output_over_sources(args.out, [("the checkpoint", Path(source.label)),
+                                          ("the model folder", source.assets_dir)])
     if args.hf_reference is not None and source.step is None:
         check_hf_config_matches(source.model_config, args.hf_reference)
     check_layout_fits(source.model_config, args.tp, args.pp, source.label)
