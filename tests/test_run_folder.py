@@ -254,3 +254,41 @@ def test_initial_model_is_rebuilt_when_what_it_is_built_from_changes(tmp_path):
     assert wider["model.layers.0.mlp.up_proj.weight"].shape[0] == 64
     (run / "initial_model" / INIT_RECORD).unlink()  # a folder from before the record existed
     assert same(build(run), seed_1)
+
+
+def test_a_folder_without_a_complete_checkpoint_is_refused_unless_told(tmp_path, caplog):
+    """A restart into a folder whose checkpoints all lack complete.json once warned, started from
+    step 0 and overwrote that run's metrics and checkpoints. It is another run's folder now: one
+    line (exit 2) naming the folder, what it holds and the ways out; checkpoint.resume=force
+    starts over it with a warning; resume=never + logging.overwrite moves it aside. In-process:
+    the check runs before any model is built."""
+    import logging
+
+    from megatron_grpo.config import load_config
+    from megatron_grpo.trainer.state.resume_plan import check_definitions
+    from megatron_grpo.trainer.state.run_folder import RunFolderError, prepare_output_dir
+
+    def check_run_folder(cfg):  # trainer.setup.check_run_folder, without importing torch for it
+        prepare_output_dir(cfg)
+        return check_definitions(cfg)
+
+    out = tmp_path / "run"
+    step = out / "checkpoints" / "step_40"
+    (step / "model_optim").mkdir(parents=True)
+    (step / "trainer_state.json").write_text('{"step": 40}')  # a copy cut short: no complete.json
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = snapshot(out)
+    config = lambda *more: load_config(RECIPE, [f"logging.output_dir={out}", *more])  # noqa: E731
+    with pytest.raises(RunFolderError) as info:
+        check_run_folder(config())
+    line = str(info.value)
+    assert line.startswith(f"{out} holds an earlier run (checkpoints step_40 in {out / 'checkpoints'} and "
+                           f"{out / 'metrics.jsonl'}) but no checkpoint it can continue from (step_40: no "
+                           f"complete.json") and "\n" not in line and info.value.exit_code == 2
+    assert "checkpoint.resume=force" in line and "checkpoint.resume=never logging.overwrite=true" in line
+    assert snapshot(out) == before
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo"):
+        assert check_run_folder(config("checkpoint.resume=force")) == []
+    assert "checkpoint.resume=force: " in caplog.text and "starting from step 0" in caplog.text
+    assert check_run_folder(config("checkpoint.resume=never", "logging.overwrite=true")) == []
+    assert snapshot(tmp_path / "run.old-1") == before

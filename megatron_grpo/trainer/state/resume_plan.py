@@ -4,7 +4,8 @@ Rank 0 runs two checks from setup.build_run, both before the policy is built:
   1. check_definitions, before initial_model/ is (re)built: every complete checkpoint the resume
      may load must come from a run with the same definition (run_folder.DEFINING_KEYS: model,
      data, task, seeds). A difference is a RunFolderError naming the keys (exit 2) unless
-     checkpoint.resume=force.
+     checkpoint.resume=force. A folder whose checkpoints are all incomplete or unreadable holds a
+     run this one cannot continue: refused the same way (starting from step 0 would overwrite it).
   2. check_restorable, once the model config and the prompts are known: the model's
      layout-independent shapes (never forceable: the weights would not fit), the prompt sampler
      (same prompts and seed; a changed data.train_batch_size continues at the same prompt), and
@@ -30,6 +31,7 @@ from megatron_grpo.trainer.state.run_folder import (
     DEFINING_KEYS,
     RunFolderError,
     differences,
+    earlier_run,
     flat_config,
     run_definition,
 )
@@ -89,7 +91,29 @@ def check_definitions(cfg: Config) -> list[Candidate]:
             log.warning("checkpoint: checkpoint.resume=force: continuing from %s although %s", candidate.path,
                         "; ".join(changed))
         candidates.append(candidate)
+    if not candidates and not explicit(cfg):
+        _check_nothing_to_continue(cfg)
     return candidates
+
+
+def _check_nothing_to_continue(cfg: Config) -> None:
+    """A folder whose checkpoints are all incomplete or unreadable holds a run this one cannot
+    continue: starting from step 0 there would overwrite its metrics and checkpoints. Refused as
+    another run's folder is (RunFolderError, exit 2), unless checkpoint.resume=force."""
+    root = layout.checkpoint_root(cfg).expanduser().resolve()
+    steps = layout.list_checkpoints(root)
+    if not steps:
+        return
+    out = Path(cfg.logging.output_dir).expanduser().resolve()
+    problems = "; ".join(f"{path.name}: {layout.validate_checkpoint(path) or 'unreadable'}" for _, path in steps)
+    held = f"{out} holds an earlier run ({earlier_run(out, root)}) but no checkpoint it can continue from ({problems})"
+    if forcing(cfg):
+        log.warning("checkpoint: checkpoint.resume=force: %s; starting from step 0, its metrics and checkpoints "
+                    "are overwritten", held)
+        return
+    raise RunFolderError(f"{held}: starting from step 0 would overwrite it; use another logging.output_dir, "
+                         f"checkpoint.resume=never logging.overwrite=true to move that run aside, or "
+                         f"checkpoint.resume=force to start from step 0 over it")
 
 
 def _check_destination(cfg: Config, definition: dict[str, Any]) -> None:
