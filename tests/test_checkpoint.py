@@ -34,9 +34,9 @@ def _metrics(out_dir):
     return by_step
 
 
-def _train(rank, world_size, overrides, signal_at_step=None, signal_rank=0):
+def _train(rank, world_size, overrides, signal_at_step=None, signal_rank=0, sig=signal.SIGUSR1):
     """train() in this process; returns the policy and engine weights it ended with. With
-    signal_at_step, SIGUSR1 is sent to this process (on signal_rank) right after that step."""
+    signal_at_step, `sig` (SIGUSR1) is sent to this process (on signal_rank) right after that step."""
     from megatron_grpo.config import load_config, validate
     from megatron_grpo.models.builder import unwrap
     from megatron_grpo.trainer import loop
@@ -51,7 +51,7 @@ def _train(rank, world_size, overrides, signal_at_step=None, signal_rank=0):
     def step_then_signal(run, step, pipeline=None):
         metrics = grpo_step(run, step, pipeline)
         if step == signal_at_step and rank == signal_rank:
-            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), sig)
         return metrics
 
     class CapturingCheckpointer(loop.Checkpointer):
@@ -100,6 +100,47 @@ def test_stop_signal_then_resume_is_bitwise_exact(tmp_path, uninterrupted):
         assert torch.equal(second["engine"][name], value), name
     state = json.loads((root / "step_2" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["sampler"]["batch_in_epoch"] == 2 and state["engine_weight_version"] == 2
+
+
+def _terminal_signals(rank, world_size, stderr_path):
+    """StopSignals as a terminal meets them, in a child: a SIGHUP that `nohup` ignores stays ignored;
+    SIGHUP and the first SIGINT set the stop flag (the first also says so); a second SIGINT ends the
+    process at once (the caller sees exit code -SIGINT)."""
+    from megatron_grpo.trainer.signals import StopSignals
+
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts us
+    ignored = StopSignals().install()
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) == ignored._handle
+    ignored.uninstall()
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    hangup = StopSignals().install()
+    os.kill(os.getpid(), signal.SIGHUP)  # the handler runs here, in this (main) thread
+    assert hangup.requested() and hangup.name == "SIGHUP"
+    hangup.uninstall()
+    with open(stderr_path, "wb") as handle:
+        os.dup2(handle.fileno(), 2)
+    stop = StopSignals().install()
+    os.kill(os.getpid(), signal.SIGINT)
+    assert stop.requested() and stop.name == "SIGINT" and signal.getsignal(signal.SIGINT) == signal.SIG_DFL
+    assert "SIGINT: stopping after the step in progress, with a checkpoint; Ctrl-C again aborts at once" in \
+        Path(stderr_path).read_text()
+    os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C: gone, without reaching the next line
+    return "survived a second SIGINT"
+
+
+def test_ctrl_c_and_sighup_save_and_stop_like_sigterm_and_a_second_ctrl_c_aborts(tmp_path):
+    """Ctrl-C once exited 130 with a traceback and saved nothing, SIGHUP 129 in silence. The first
+    SIGINT (or SIGHUP) now stops the run after the step in progress with a checkpoint, exit 0, as
+    SIGTERM does (the loop and its message are SIGTERM's); a second SIGINT aborts at once."""
+    from megatron_grpo.testing.distributed import DistributedChildError
+
+    args = [*FAST, "trainer.total_steps=3", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2",
+            "data.max_response_length=2", f"logging.output_dir={tmp_path}"]
+    run_distributed(_train, 1, (args, 1, 0, signal.SIGINT), timeout=300)  # SIGINT right after step 1
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1"] and max(_metrics(tmp_path)) == 1
+    with pytest.raises(DistributedChildError, match=f"exited with code {-signal.SIGINT} before reporting"):
+        run_distributed(_terminal_signals, 1, (str(tmp_path / "stderr"),), init_group=False, timeout=60)
 
 
 # ----------------------------------------------------------------------------- layout / skipping

@@ -15,6 +15,11 @@ parent-death signal (prctl PR_SET_PDEATHSIG) makes the kernel signal the child w
                                      interpreter that no fork hook reaches. Ours starts that Manager with
                                      die_with_parent as its initializer (see the function for why here)
   bind_children_to_this_process()    both of the above; launch.init_distributed() calls it
+  ignore_terminal_signals()          first calls in a long-lived child of the trainer (reward workers,
+                                     the local engine's process, the checkpoint Manager): a terminal's
+                                     Ctrl-C (SIGINT) and hang-up (SIGHUP) reach the whole foreground
+                                     process group, and only the trainer decides what they mean
+                                     (trainer/signals.py: save, then stop); the child ends with it
 
 multiprocessing's resource tracker needs nothing: it exits when the last process holding its pipe
 (the trainer, the Manager, the writers) is gone. The kernel sends the parent-death signal when the
@@ -67,6 +72,18 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> bool:
         return False
     _arm(prctl, parent_pid, sig)
     return True
+
+
+def ignore_terminal_signals() -> None:
+    """SIGINT and SIGHUP are ignored from now on in this process (see the module docstring)."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _start_managed_child(parent_pid: int) -> None:
+    """The checkpoint Manager's initializer: dies with `parent_pid`, leaves the terminal's signals to it."""
+    die_with_parent(parent_pid, signal.SIGKILL)
+    ignore_terminal_signals()
 
 
 def preexec_die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
@@ -146,7 +163,7 @@ def tie_megatron_checkpoint_manager() -> bool:
     def results_queue_dying_with_parent(mp_mode: str = "spawn"):
         if filesystem_async._results_queue is None:
             manager = SyncManager(ctx=get_context(mp_mode))
-            manager.start(die_with_parent, (os.getpid(), signal.SIGKILL))
+            manager.start(_start_managed_child, (os.getpid(),))
             filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
         return filesystem_async._results_queue
 

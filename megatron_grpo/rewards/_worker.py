@@ -11,9 +11,10 @@ from multiprocessing.connection import Connection
 
 
 def worker_main(conn: Connection, spec: str, kwargs: dict, parent_pid: int) -> None:
-    from megatron_grpo.launch.lifetime import die_with_parent
+    from megatron_grpo.launch.lifetime import die_with_parent, ignore_terminal_signals
 
     die_with_parent(parent_pid)  # before anything that could hang: a killed trainer leaves no worker
+    ignore_terminal_signals()  # a Ctrl-C stops the trainer after its step: the calls of that step still count
     from megatron_grpo.rewards.loader import load_reward_function
 
     try:

@@ -348,6 +348,9 @@ class _EngineServer:
 
 
 def main() -> None:
+    from megatron_grpo.launch.lifetime import ignore_terminal_signals
+
+    ignore_terminal_signals()  # the trainer's Ctrl-C / SIGHUP: it finishes its step (it ends us when it exits)
     address = sys.stdin.readline().strip()
     authkey = bytes.fromhex(sys.stdin.readline().strip())
     conn = Client(address, family="AF_UNIX", authkey=authkey)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 
 def parse_args(argv):
@@ -41,6 +42,11 @@ def main(argv=None) -> int:
     # a collective when the interpreter finalizes (launch/distributed.py, "Exit").
     try:
         out = train(cfg)
+    except KeyboardInterrupt:  # Ctrl-C before the steps began (or after they ended): nothing to save
+        shutdown(failed=True)
+        print("error: interrupted by SIGINT while setting up or shutting down (during the steps a first Ctrl-C "
+              "saves a checkpoint and stops); nothing to save", file=sys.stderr)
+        return 130
     except BaseException:
         shutdown(failed=True)
         raise
