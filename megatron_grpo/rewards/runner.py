@@ -8,12 +8,19 @@ compute_score signature is detected and adapted (signature.py).
 A timed-out worker is killed and replaced, so a hung function never blocks a batch. Results come
 back in input order. Workers die with the process that started them, also when it is killed by
 SIGKILL (launch.lifetime.die_with_parent).
+
+With num_workers=0 the calls run in this process, one at a time, each in a helper thread that the
+caller waits on for at most timeout_s: a call past it is a timeout as in the pool (score 0,
+reward/errors/timeout), and the batch goes on. Python cannot stop a thread, so a hung call goes on
+in its abandoned thread (holding whatever it holds, using CPU if it spins) until the process ends;
+only the pool reclaims it (its worker is killed). timeout_s=None calls in the caller's thread.
 """
 from __future__ import annotations
 
 import math
 import multiprocessing
 import os
+import queue
 import threading
 import time
 from collections import deque
@@ -56,8 +63,8 @@ class _Worker:
 class RewardRunner:
     """Scores RewardRequests with the reward function named by `function` (see loader.py).
 
-    num_workers=0 calls the function in this process (no isolation; then timeout_s must be None,
-    since a call in this process cannot be interrupted). batched=True calls
+    num_workers=0 calls the function in this process (no isolation; a call past timeout_s is given
+    up on, not stopped: see the module docstring). batched=True calls
     fn(prompts, responses, ground_truths, extras) -> list on chunks of `chunk_size` requests
     (default: an even split over the workers); a failed chunk fails all its samples. A function
     whose parameters say it is batched (responses / solution_strs) is called batched anyway.
@@ -69,9 +76,6 @@ class RewardRunner:
                  startup_timeout_s: float = 120.0, signature: str = "auto", max_error_frac: float = 0.5):
         if num_workers < 0:
             raise ConfigError(f"reward.num_workers must be >= 0, got {num_workers}")
-        if num_workers == 0 and timeout_s is not None:
-            raise ConfigError("reward.timeout_s needs reward.num_workers >= 1: an in-process call cannot be "
-                              "interrupted; set reward.timeout_s=null or use workers")
         if timeout_s is not None and timeout_s <= 0:
             raise ConfigError(f"reward.timeout_s must be > 0 or null, got {timeout_s}")
         self.spec = canonical_spec(function)
@@ -88,6 +92,7 @@ class RewardRunner:
         self._context = multiprocessing.get_context("spawn")
         self.signature, self.max_error_frac = signature, max_error_frac  # reward.signature / max_error_frac
         self._failures = FailureReport(self.spec, max_error_frac)
+        self._in_process = _InProcessCalls(self._fn, self.kwargs, timeout_s, self.spec)
         self._workers: list[_Worker] = [self._start_worker() for _ in range(num_workers)]
         self._pool_in_use = threading.Lock()
         self.workers_replaced = 0  # how many workers were killed (timeout) or died
@@ -111,6 +116,7 @@ class RewardRunner:
         self.workers_replaced += 1
 
     def close(self) -> None:
+        self._in_process.close()
         for worker in self._workers:
             try:
                 worker.conn.send(None)
@@ -154,12 +160,12 @@ class RewardRunner:
         return [tuple(list(column) for column in zip(*chunk)) for chunk in chunks]
 
     def _call_here(self, args: tuple) -> tuple[str, Any]:
-        import traceback
+        return self._in_process.call(args)
 
-        try:
-            return "ok", self._fn(*args, **self.kwargs)
-        except Exception:
-            return "error", traceback.format_exc()
+    @property
+    def abandoned_calls(self) -> int:
+        """In-process calls given up on after timeout_s (each still runs in its thread)."""
+        return self._in_process.abandoned
 
     def _run_pool(self, feed: "_TaskFeed") -> list[tuple[str, Any]]:
         """Runs every task of `feed` (also those added while it runs, until it is closed); returns
@@ -261,6 +267,54 @@ class RewardRunner:
             values = [m[key] for m in sample_metrics if key in m]
             metrics[f"reward/{key}"] = sum(values) / len(values)
         return RewardBatchResult(scores, sample_metrics, errors, metrics)
+
+
+def _call(fn, args: tuple, kwargs: dict) -> tuple[str, Any]:
+    import traceback
+
+    try:
+        return "ok", fn(*args, **kwargs)
+    except Exception:
+        return "error", traceback.format_exc()
+
+
+class _InProcessCalls:
+    """num_workers=0: one call at a time in a daemon helper thread, waited on for at most timeout_s
+    (module docstring). A thread whose call timed out is abandoned (told to exit once its call
+    returns, if ever) and the next call gets a new one."""
+
+    def __init__(self, fn, kwargs: dict, timeout_s: float | None, spec: str):
+        self.fn, self.kwargs, self.timeout_s, self.spec = fn, kwargs, timeout_s, spec
+        self.abandoned = 0
+        self._requests: queue.SimpleQueue | None = None  # the current helper thread's
+
+    def call(self, args: tuple) -> tuple[str, Any]:
+        if self.timeout_s is None:
+            return _call(self.fn, args, self.kwargs)
+        if self._requests is None:
+            self._requests = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(self._requests,), name="reward-call", daemon=True).start()
+        answer: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests.put((args, answer))
+        try:
+            return answer.get(timeout=self.timeout_s)
+        except queue.Empty:
+            self._requests.put(None)  # read only if the hung call ever returns: then the thread exits
+            self._requests = None
+            self.abandoned += 1
+            return "timeout", (f"reward call timed out after {self.timeout_s} s ({self.spec}); with "
+                               f"reward.num_workers=0 it runs in the trainer's process, where it cannot be stopped: "
+                               f"it goes on in an abandoned thread (reward.num_workers >= 1 kills a hung call)")
+
+    def _serve(self, requests: queue.SimpleQueue) -> None:
+        while (item := requests.get()) is not None:
+            args, answer = item
+            answer.put(_call(self.fn, args, self.kwargs))
+
+    def close(self) -> None:
+        if self._requests is not None:
+            self._requests.put(None)
+            self._requests = None
 
 
 def _length(value: Any) -> str:

@@ -289,7 +289,7 @@ def build_rank0_parts(cfg: Config, prompts: tuple[list[EncodedPrompt], list[Enco
                             seed=cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed,
                             shuffle=cfg.data.shuffle)
     rewards = RewardRunner(cfg.reward.function, num_workers=cfg.reward.num_workers,
-                           timeout_s=cfg.reward.timeout_s if cfg.reward.num_workers else None,
+                           timeout_s=cfg.reward.timeout_s,  # in-process calls too (rewards/runner.py)
                            kwargs=dict(cfg.reward.kwargs), signature=cfg.reward.signature,
                            max_error_frac=cfg.reward.max_error_frac)
     try:
