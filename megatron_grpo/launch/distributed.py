@@ -8,6 +8,15 @@
 nccl on CUDA (one device per local rank: cuda:LOCAL_RANK), gloo on CPU. When the default group
 already exists (the test harness made it), it is checked against the discovered ranks and kept.
 
+Rendezvous: with several ranks, rank 0 hosts a TCPStore at MASTER_ADDR:MASTER_PORT and every rank
+joins it before the group is made (`_join_rendezvous`); torch's own tcp:// rendezvous would wait
+for missing ranks (a WORLD_SIZE=2 exported with one process started, a node that never came up)
+for the whole collective timeout without a word. Ours says what it waits for after a few seconds
+(which rank, how many more ranks, where, the deadline) and again every 30 s, and fails after
+$GRPO_RENDEZVOUS_TIMEOUT_S (600 s) with a LaunchError naming the address and the ranks that came.
+Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True) torchrun has already gathered the
+ranks, and torch's rendezvous is used as before.
+
 Exit: a gloo worker thread releases a finished collective's tensors a moment after the caller's
 wait() returned, and that release takes the GIL. If the interpreter has begun finalizing by then,
 Python ends the thread (pthread_exit); its unwinding through gloo's noexcept destructor calls
@@ -23,6 +32,7 @@ import datetime
 import logging
 import os
 import platform
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -34,6 +44,12 @@ from megatron_grpo.errors import LaunchError
 from megatron_grpo.launch.env import MPI, SLURM, RankInfo, discover_ranks
 
 log = logging.getLogger(__name__)
+
+RENDEZVOUS_TIMEOUT_ENV = "GRPO_RENDEZVOUS_TIMEOUT_S"
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 600.0
+_JOINED_KEY = "megatron_grpo/rendezvous/joined"
+_NOTICE = {"first_s": 3.0, "every_s": 30.0}  # when a waiting rank says what it waits for
+
 
 @dataclass(frozen=True)
 class DistributedContext:
@@ -93,13 +109,91 @@ def init_distributed(ranks: RankInfo | None = None, *, env: Mapping[str, str] | 
     if dist.is_initialized():
         _check_existing_group(ranks)
         return DistributedContext(ranks=ranks, backend=dist.get_backend(), device=device)
-    dist.init_process_group(backend=backend, init_method=ranks.init_method, rank=ranks.rank,
-                            world_size=ranks.world_size,
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if ranks.world_size > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        store = _join_rendezvous(ranks, rendezvous_timeout_s(), timeout)
+        dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=ranks.rank,
+                                world_size=ranks.world_size, timeout=timeout)
+    else:  # one process (port 0: it binds its own), or torchrun's agent gathered the ranks already
+        dist.init_process_group(backend=backend, init_method=ranks.init_method, rank=ranks.rank,
+                                world_size=ranks.world_size, timeout=timeout)
     _register_exit_wait()
     log.info("rank %d/%d (local %d/%d, %s) joined %s on %s via %s", ranks.rank, ranks.world_size,
              ranks.local_rank, ranks.local_world_size, ranks.launcher, backend, device, ranks.init_method)
     return DistributedContext(ranks=ranks, backend=backend, device=device)
+
+
+def rendezvous_timeout_s(env: Mapping[str, str] | None = None) -> float:
+    """How long the ranks may take to gather: $GRPO_RENDEZVOUS_TIMEOUT_S, else 600 s."""
+    raw = (os.environ if env is None else env).get(RENDEZVOUS_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_RENDEZVOUS_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise LaunchError(f"{RENDEZVOUS_TIMEOUT_ENV}={raw!r}: expected a number of seconds > 0")
+    return value
+
+
+def _join_rendezvous(ranks: RankInfo, timeout_s: float, store_timeout: datetime.timedelta) -> dist.TCPStore:
+    """Rank 0 hosts the store, every rank adds itself to a counter in it and waits until all
+    world_size have; a rank that waits says so after _NOTICE["first_s"] and every _NOTICE["every_s"],
+    and raises LaunchError after timeout_s (see the module docstring). Returns the store."""
+    where = f"{ranks.master_addr}:{ranks.master_port}"
+    job = f"WORLD_SIZE={ranks.world_size} from the {ranks.launcher} environment"
+    start = time.monotonic()
+    deadline = start + timeout_s
+    next_notice = [start + _NOTICE["first_s"]]
+
+    def notice(text: str) -> None:
+        now = time.monotonic()
+        if now >= next_notice[0]:
+            log.warning("%s; %.0f s waited, gives up after %g s (%s)", text, now - start, timeout_s,
+                        RENDEZVOUS_TIMEOUT_ENV)
+            next_notice[0] = now + _NOTICE["every_s"]
+
+    if ranks.rank == 0:
+        try:
+            store = dist.TCPStore(ranks.master_addr, ranks.master_port, ranks.world_size, is_master=True,
+                                  wait_for_workers=False, timeout=store_timeout, multi_tenant=True)
+        except RuntimeError as exc:
+            raise LaunchError(f"rank 0 cannot open the rendezvous at {where} ({job}): {exc}") from None
+    else:
+        # A TCPStore client retries in silence until its timeout (and torch prints a C++ trace per
+        # failed try): a plain connection tells whether rank 0 listens yet.
+        while not _accepts(ranks.master_addr, ranks.master_port):
+            if time.monotonic() >= deadline:
+                raise LaunchError(f"rank {ranks.rank}: nobody opened the rendezvous at {where} within {timeout_s:g} s "
+                                  f"({job}): rank 0 is not running there; start it, or correct MASTER_ADDR / "
+                                  f"MASTER_PORT")
+            notice(f"rank {ranks.rank} waits for rank 0 to open the rendezvous at {where} ({job})")
+            time.sleep(0.25)
+        remaining = max(deadline - time.monotonic(), 5.0)
+        store = dist.TCPStore(ranks.master_addr, ranks.master_port, ranks.world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=remaining))
+        store.set_timeout(store_timeout)
+    joined = store.add(_JOINED_KEY, 1)
+    while joined < ranks.world_size:
+        if time.monotonic() >= deadline:
+            raise LaunchError(f"rendezvous at {where}: {joined} of {ranks.world_size} ranks joined within "
+                              f"{timeout_s:g} s ({job}): start the missing ranks (torchrun --nproc-per-node, "
+                              f"srun --ntasks, mpirun -n), or unset WORLD_SIZE and RANK to run one process")
+        missing = ranks.world_size - joined
+        notice(f"rank {ranks.rank} waits for {missing} more rank{'s' if missing > 1 else ''} at {where} "
+               f"({joined} of {ranks.world_size} joined; {job})")
+        time.sleep(0.05)
+        joined = store.add(_JOINED_KEY, 0)
+    return store
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def _check_existing_group(ranks: RankInfo) -> None:
