@@ -147,6 +147,58 @@ def test_unreachable_server_names_the_url(tmp_path, policy_dir):
                                      f"logging.output_dir={tmp_path}", "logging.console=false"],), timeout=300)
 
 
+def test_weight_update_group_fails_early_for_a_dead_url_and_says_what_it_waits_for(monkeypatch, caplog):
+    """With nothing listening at an engine's URL, /init_weights_update_group failed at once, yet
+    the trainer waited rollout.sglang.weight_update_timeout_s (600 s) for that engine to join the
+    group, in silence. Now the failed request ends the join at once, naming the URL; an engine that
+    takes the request and never joins is named after a few seconds, and the join ends at the
+    timeout. In-process, gloo, no SGLang server (what build_sglang_engine and the stage senders call)."""
+    import http.server
+    import logging
+
+    from megatron_grpo.rollout.sglang import weight_sync
+    from megatron_grpo.rollout.sglang.client import SGLangClient
+    from megatron_grpo.rollout.sglang.errors import SGLangError
+    from megatron_grpo.rollout.sglang.http_json import RetryPolicy
+
+    def join(url: str, timeout_s: float) -> float:
+        client = SGLangClient([url], retry=RetryPolicy(max_attempts=1))
+        transport = weight_sync.DistributedTransport(client, [weight_sync.EngineTarget(url)], "127.0.0.1", 0,
+                                                     backend="gloo", timeout_s=timeout_s)
+        start = time.monotonic()
+        try:
+            with pytest.raises(SGLangError, match=url.replace(".", r"\.")):
+                transport.connect()
+        finally:
+            client.close()
+        return time.monotonic() - start
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    assert join(dead, timeout_s=60) < 10  # not the 60 s timeout: the engine's request failed
+
+    released = threading.Event()
+
+    class NeverJoins(http.server.BaseHTTPRequestHandler):  # takes /init_weights_update_group, then nothing
+        def do_POST(self):  # noqa: N802 - http.server's name
+            released.wait(30)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NeverJoins)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    silent = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setitem(weight_sync.JOIN_NOTICE_S, "first_s", 0.3)
+    try:
+        with caplog.at_level(logging.WARNING, logger=weight_sync.__name__):
+            assert 2.0 <= join(silent, timeout_s=2.0) < 10
+    finally:
+        released.set()
+        server.shutdown()
+    [said, *_] = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+    assert f"waiting for {silent} to join (1 engine rank);" in said and "gives up after 2 s" in said
+
+
 def _server_groups(port: int, count: int) -> list[int]:
     """Process-group ids of the launched servers listening on port, port + 1, ..."""
     groups = {}

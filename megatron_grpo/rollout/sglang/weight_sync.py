@@ -17,9 +17,12 @@ pause, begin, push, end, flush, continue); every request carries the weight_vers
 from __future__ import annotations
 
 import abc
+import logging
 import shutil
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -36,6 +39,8 @@ from megatron_grpo.rollout.sglang.serialization import serialize, tensor_payload
 from megatron_grpo.rollout.sglang.update_session import UpdateSession
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+log = logging.getLogger(__name__)
+JOIN_NOTICE_S = {"first_s": 5.0, "every_s": 30.0}  # when connect() says which engines it waits for
 
 
 @dataclass
@@ -69,6 +74,10 @@ class WeightTransport(abc.ABC):
 
     def close(self) -> None:
         pass
+
+
+def _refused(answer: object) -> bool:
+    return isinstance(answer, dict) and answer.get("success") is False
 
 
 def check_answer(url: str, path: str, answer: object) -> None:
@@ -110,21 +119,54 @@ class DistributedTransport(WeightTransport):
             check_answer(target.url, path, future.result())
 
     def connect(self) -> None:
+        """Hosts the group's store, asks every engine to join, and forms the group. The group forms
+        in a helper thread (torch's constructor blocks until every member joined, up to timeout_s)
+        while this one watches the engines' answers: an engine whose request fails (nothing
+        listens at its URL, it refused) fails the connect at once, naming its URL, and a wait says
+        what it waits for after JOIN_NOTICE_S["first_s"] and every JOIN_NOTICE_S["every_s"]. A failed
+        join leaves the helper thread blocked until timeout_s (it cannot be stopped; a daemon)."""
         offsets = [1 + sum(t.tp_size for t in self.targets[:i]) for i in range(len(self.targets))]
         store = host_store(self.master_address, self.requested_port, self.world_size, self.timeout_s)
         self.master_port = store.port
+        where = f"weight-update group {self.group_name!r} at {self.master_address}:{self.master_port}"
         futures = self._post_all("/init_weights_update_group", lambda i, t: {
             "master_address": self.master_address, "master_port": self.master_port, "rank_offset": offsets[i],
             "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend})
+        formed: Future = Future()
+
+        def form() -> None:
+            try:
+                formed.set_result(init_custom_process_group(self.backend, self.master_address, self.master_port, 0,
+                                                            self.world_size, self.group_name,
+                                                            timeout_s=self.timeout_s, store=store))
+            except BaseException as exc:  # noqa: BLE001 - reported by connect()
+                formed.set_exception(exc)
+
+        threading.Thread(target=form, name=f"form-{self.group_name}", daemon=True).start()
+        start = time.monotonic()
+        next_notice = start + JOIN_NOTICE_S["first_s"]
+        while not formed.done():
+            for target, future in zip(self.targets, futures):
+                if future.done() and (future.exception() is not None or _refused(future.result())):
+                    error = future.exception() or future.result().get("message")
+                    raise SGLangError(f"{where} cannot form: {target.url}/init_weights_update_group failed ({error}); "
+                                      f"that engine will not join, so the trainer does not wait for it "
+                                      f"(rollout.sglang.weight_update_timeout_s={self.timeout_s:g})", target.url)
+            now = time.monotonic()
+            if now >= next_notice:
+                waiting = [t.url for t, f in zip(self.targets, futures) if not f.done()]
+                ranks = self.world_size - 1
+                log.warning("%s: waiting for %s to join (%d engine rank%s); %.0f s waited, gives up after %g s "
+                            "(rollout.sglang.weight_update_timeout_s)", where, ", ".join(waiting) or "the engines",
+                            ranks, "" if ranks == 1 else "s", now - start, self.timeout_s)
+                next_notice = now + JOIN_NOTICE_S["every_s"]
+            wait_futures([formed, *futures], timeout=0.1, return_when=FIRST_COMPLETED)
         try:
-            self._group = init_custom_process_group(self.backend, self.master_address, self.master_port, 0,
-                                                    self.world_size, self.group_name, timeout_s=self.timeout_s,
-                                                    store=store)
+            self._group = formed.result()
         except Exception as exc:
             failed = [f"{t.url}: {f.exception()}" for t, f in zip(self.targets, futures)
                       if f.done() and f.exception() is not None]
-            raise SGLangError(f"weight-update group {self.group_name!r} at {self.master_address}:{self.master_port} "
-                              f"did not form ({exc}); engine answers: {failed or 'none yet'}") from None
+            raise SGLangError(f"{where} did not form ({exc}); engine answers: {failed or 'none yet'}") from None
         self._wait("/init_weights_update_group", futures)
 
     def push(self, named_tensors: NamedTensors, version: int) -> SyncStats:
