@@ -401,46 +401,47 @@ def test_server_ports_lie_below_the_ephemeral_range_and_skip_taken_ones(monkeypa
 # ----------------------------------------------------------------------------- a rendezvous that cannot complete
 
 
-def _rendezvous_alone(rank, world_size):
-    """Child 0 is rank 0 of a 2-rank job whose rank 1 never starts; child 1 is rank 1 of a job whose
-    rank 0 is not running (nothing listens on its MASTER_PORT)."""
+def test_a_rendezvous_that_cannot_complete_says_what_it_waits_for_and_fails_by_its_deadline(monkeypatch, caplog):
+    """WORLD_SIZE=2 exported with one process started used to wait in silence (torch's rendezvous,
+    for the 30 min collective timeout). Each rank now says what it waits for within seconds, and
+    fails at $GRPO_RENDEZVOUS_TIMEOUT_S with one line naming the address and what came. In-process,
+    two threads: rank 0 of a 2-rank job whose rank 1 never starts, and rank 1 of a job whose rank 0
+    is not running (nothing listens on its MASTER_PORT)."""
+    import datetime
     import logging
-    import os
+    import threading
     import time
 
     from megatron_grpo.launch import distributed
-    from megatron_grpo.launch.env import free_port
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", GRPO_RENDEZVOUS_TIMEOUT_S="2.5")
-    if rank == 1:
-        os.environ["MASTER_PORT"] = str(free_port())
-    distributed._NOTICE["first_s"] = 0.5  # 3 s in a run: the test's deadline is shorter
-    said = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append((time.monotonic(), record.getMessage()))
-    logging.getLogger(distributed.__name__).addHandler(handler)
-    start = time.monotonic()
-    try:
-        distributed.init_distributed()
-    except LaunchError as exc:
-        return str(exc), time.monotonic() - start, [(t - start, text) for t, text in said]
-    return None
+    monkeypatch.setenv("GRPO_RENDEZVOUS_TIMEOUT_S", "2.5")
+    monkeypatch.setitem(distributed._NOTICE, "first_s", 0.5)  # 3 s in a run: the test's deadline is shorter
+    timeout_s = distributed.rendezvous_timeout_s()
+    jobs = {rank: RankInfo(rank=rank, world_size=2, local_rank=rank, local_world_size=2, master_addr="127.0.0.1",
+                           master_port=free_server_port(), launcher="torchrun") for rank in (0, 1)}
+    outcome = {}
 
+    def join(rank):
+        start = time.monotonic()
+        try:
+            distributed._join_rendezvous(jobs[rank], timeout_s, datetime.timedelta(seconds=30))
+        except LaunchError as exc:
+            outcome[rank] = (str(exc), time.monotonic() - start)
 
-def test_a_rendezvous_that_cannot_complete_says_what_it_waits_for_and_fails_by_its_deadline():
-    """WORLD_SIZE=2 exported with one process started used to wait in silence (torch's rendezvous,
-    for the 30 min collective timeout). Each rank now says what it waits for within seconds, and
-    fails at $GRPO_RENDEZVOUS_TIMEOUT_S with one line naming the address and what came."""
-    from megatron_grpo.testing.distributed import run_distributed
-
-    alone, orphan = run_distributed(_rendezvous_alone, 2, init_group=False, timeout=60)
-    error, elapsed, said = alone
-    where = error.split("rendezvous at ")[1].split(":")[0]
-    assert error.startswith("rendezvous at 127.0.0.1:") and where == "127.0.0.1"
-    assert "1 of 2 ranks joined within 2.5 s (WORLD_SIZE=2 from the torchrun environment)" in error
-    assert 2.5 <= elapsed < 10 and said and said[0][0] < 1.5
-    assert "rank 0 waits for 1 more rank at 127.0.0.1:" in said[0][1] and "gives up after 2.5 s" in said[0][1]
-    error, elapsed, said = orphan
-    assert error.startswith("rank 1: nobody opened the rendezvous at 127.0.0.1:") and "within 2.5 s" in error
-    assert 2.5 <= elapsed < 10 and said and said[0][0] < 3.0
-    assert "rank 1 waits for rank 0 to open the rendezvous at 127.0.0.1:" in said[0][1]
+    with caplog.at_level(logging.WARNING, logger=distributed.__name__):
+        threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    said = [r.getMessage() for r in caplog.records]
+    where = {rank: f"127.0.0.1:{jobs[rank].master_port}" for rank in (0, 1)}
+    error, elapsed = outcome[0]
+    assert error == (f"rendezvous at {where[0]}: 1 of 2 ranks joined within 2.5 s (WORLD_SIZE=2 from the torchrun "
+                     f"environment): start the missing ranks (torchrun --nproc-per-node, srun --ntasks, mpirun -n), "
+                     f"or unset WORLD_SIZE and RANK to run one process") and 2.5 <= elapsed < 10
+    assert any(f"rank 0 waits for 1 more rank at {where[0]} (1 of 2 joined" in m and "gives up after 2.5 s" in m
+               for m in said), said
+    error, elapsed = outcome[1]
+    assert error.startswith(f"rank 1: nobody opened the rendezvous at {where[1]} within 2.5 s") and elapsed < 10
+    assert any(f"rank 1 waits for rank 0 to open the rendezvous at {where[1]}" in m for m in said), said
