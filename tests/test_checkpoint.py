@@ -128,17 +128,23 @@ def _terminal_signals(rank, world_size, stderr_path):
     return "survived a second SIGINT"
 
 
-def test_ctrl_c_and_sighup_save_and_stop_like_sigterm_and_a_second_ctrl_c_aborts(tmp_path):
-    """Ctrl-C once exited 130 with a traceback and saved nothing, SIGHUP 129 in silence. The first
-    SIGINT (or SIGHUP) now stops the run after the step in progress with a checkpoint, exit 0, as
-    SIGTERM does (the loop and its message are SIGTERM's); a second SIGINT aborts at once."""
-    from megatron_grpo.testing.distributed import DistributedChildError
-
+def test_first_ctrl_c_saves_and_stops_like_sigterm(tmp_path):
+    """Ctrl-C once exited 130 with a traceback and saved nothing (with the default save_interval=-1,
+    the whole run). The first SIGINT now stops the run after the step in progress with a checkpoint,
+    exit 0, as SIGTERM does (the loop, its message and the all-reduce are SIGTERM's)."""
     args = [*FAST, "trainer.total_steps=3", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2",
             "data.max_response_length=2", f"logging.output_dir={tmp_path}"]
     run_distributed(_train, 1, (args, 1, 0, signal.SIGINT), timeout=300)  # SIGINT right after step 1
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1"] and max(_metrics(tmp_path)) == 1
+
+
+def test_sighup_stops_too_and_a_second_ctrl_c_aborts_at_once(tmp_path):
+    """SIGHUP (the terminal closed) exited 129 in silence: it sets the same stop flag now (unless the
+    trainer was started under nohup); the first SIGINT says what happens next, and a second one ends
+    the process at once, by SIGINT, without a checkpoint."""
+    from megatron_grpo.testing.distributed import DistributedChildError
+
     with pytest.raises(DistributedChildError, match=f"exited with code {-signal.SIGINT} before reporting"):
         run_distributed(_terminal_signals, 1, (str(tmp_path / "stderr"),), init_group=False, timeout=60)
 
