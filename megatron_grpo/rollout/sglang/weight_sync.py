@@ -160,7 +160,7 @@ class DistributedTransport(WeightTransport):
                             "(rollout.sglang.weight_update_timeout_s)", where, ", ".join(waiting) or "the engines",
                             ranks, "" if ranks == 1 else "s", now - start, self.timeout_s)
                 next_notice = now + JOIN_NOTICE_S["every_s"]
-            wait_futures([formed, *futures], timeout=0.1, return_when=FIRST_COMPLETED)
+            wait_futures([f for f in (formed, *futures) if not f.done()], timeout=0.1, return_when=FIRST_COMPLETED)
         try:
             self._group = formed.result()
         except Exception as exc:

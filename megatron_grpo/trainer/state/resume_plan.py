@@ -91,7 +91,7 @@ def check_definitions(cfg: Config) -> list[Candidate]:
             log.warning("checkpoint: checkpoint.resume=force: continuing from %s although %s", candidate.path,
                         "; ".join(changed))
         candidates.append(candidate)
-    if not candidates and not explicit(cfg):
+    if not candidates and cfg.checkpoint.resume.strip() in ("auto", "force"):
         _check_nothing_to_continue(cfg)
     return candidates
 
