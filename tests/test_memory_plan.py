@@ -93,13 +93,14 @@ def test_simulated_peaks_agree_with_the_same_step_run_for_real(case, real_and_si
 
 
 @pytest.mark.parametrize("case", ["dense CP2", "MoE EP2"])  # DP x CP = 2; dense DP 2 + experts' DP 1
-def test_checkpoint_save_arithmetic_matches_megatrons_own_save_state_dict(case, real_and_simulated):
-    """The save's cost (plan/stage.py checkpoint_save_memory: host copies + the GPU all-gather)
-    against megatron's own sharded state dict built for real on CPU, where host and device are one
-    memory and the local shard's .cuda() copy is no copy: host + gather - that copy."""
+def test_a_checkpoint_save_gathers_nothing(case, real_and_simulated):
+    """The saved format ('fully_sharded_model_space', launch/mcore_compat.py) describes each rank's
+    optimizer slices as views of its state: megatron's own save state dict, built for real, creates
+    nothing (plan/stage.py checkpoint_save_memory: 0 on the GPU; its host figure, the copies the
+    checkpoint writer makes, is measured to the byte by benchmarks/bench_checkpoint.py)."""
     save = real_and_simulated[0][case]["save"]
-    expected = save["host"] + save["device"] - save["local_copy"]
-    assert abs(save["measured"] - expected) <= 0.10 * expected, save
+    assert save["device"] == 0 and save["host"] > 0
+    assert save["measured"] <= 0.01 * save["host"], save
 
 
 def test_resident_terms_equal_bytes_per_parameter():
@@ -129,7 +130,7 @@ def test_an_oversized_layout_is_refused_in_one_line(tmp_path):
     summary = json.loads(out.read_text())
     assert not summary["fits"]
     assert re.fullmatch(r"does not fit: pipeline stage 1 \(rank 0\) peaks at [\d.]+ GiB of 77\.0 in the .+; "
-                        r"largest term (gradient buffers|optimizer state|checkpoint gather) [\d.]+ GiB; "
+                        r"largest term (parameters|gradient buffers|optimizer state) [\d.]+ GiB; "
                         r"try parallel\.pipeline=2 .+",
                         summary["verdict"])
 

@@ -119,8 +119,9 @@ def test_an_optimizer_state_that_reshards_only_over_dp_needs_the_same_tp_pp(tmp_
     with pytest.raises(RunFolderError, match=r"saved at parallel.tensor=2 pipeline=2 .* 'dp_reshardable' format"):
         check_restorable(_config(), [old], {}, num_prompts=4096, layout=TP1)
     check_restorable(_config(), [old], {}, num_prompts=4096, layout={"tp": 2, "pp": 2})  # any DP
-    new = _candidate(tmp_path, None, layout={"tp": 2, "pp": 2}, optimizer_format="fully_reshardable")
-    check_restorable(_config(), [new], {}, num_prompts=4096, layout=TP1)
+    for model_space in ("fully_reshardable", "fully_sharded_model_space"):  # the format before, the one saved now
+        new = _candidate(tmp_path, None, layout={"tp": 2, "pp": 2}, optimizer_format=model_space)
+        check_restorable(_config(), [new], {}, num_prompts=4096, layout=TP1)
     with pytest.raises(RunFolderError, match=r"distributed optimizer state; this run has "
                                              r"parallel.use_distributed_optimizer=false"):
         check_restorable(_config("parallel.use_distributed_optimizer=false"), [new], {}, num_prompts=4096,

@@ -4,8 +4,9 @@
       model_optim/          megatron dist_checkpointing (torch_dist): model chunks + optimizer
                             (the model part loads at any TP/PP/DP; the distributed optimizer's
                             state in the format launch/mcore_compat.py asks for, recorded in
-                            trainer_state.json: 'fully_reshardable' loads at any layout,
-                            'dp_reshardable' only at the same TP x PP)
+                            trainer_state.json: 'fully_sharded_model_space' (each rank's own
+                            slices, nothing gathered) and 'fully_reshardable' (before) load at
+                            any layout, 'dp_reshardable' (before that) only at the same TP x PP)
       trainer_state.json    step, LR scheduler, sampler position, engine weight version, skip
                             counters, layout and optimizer format
       rng/tp{t}-pp{p}-cp{c}-dp{d}.pt   python / numpy / torch / megatron-tracker RNG states of that rank
@@ -46,7 +47,8 @@ LEFTOVER_PREFIXES = (".tmp-", ".trash-")  # an interrupted save / deletion
 # trainer_state.json's optimizer_format: the distributed optimizer's sharding type, or this for a
 # non-distributed megatron optimizer (state keyed like the model)
 MODEL_SPACE = "model_space"
-LAYOUT_RESHARDABLE = ("fully_reshardable", MODEL_SPACE)  # optimizer formats that load at any TP/PP
+# optimizer formats that load at any TP/PP
+LAYOUT_RESHARDABLE = ("fully_sharded_model_space", "fully_reshardable", MODEL_SPACE)
 
 
 def checkpoint_root(cfg) -> Path:

@@ -36,9 +36,10 @@ What each patch fixes:
             ("ProcessGroupGloo::allgather: invalid tensor size"). Uneven sizes are gathered padded
             to the longest and trimmed (every rank holds the sizes); even ones go to megatron.
             The uneven reduce-scatter of the same paths works on gloo as it is.
-  adam-step megatron's 'fully_reshardable' optimizer load copies every key of torch AdamW's
-            per-parameter state, 'step' included, from tensors that carry none (the step is in
-            the param groups) -> KeyError: 'step'. The step is left to
+  adam-step megatron's model-space optimizer loads ('fully_sharded_model_space',
+            'fully_reshardable') copy every key of torch AdamW's per-parameter state, 'step'
+            included, from tensors that carry none (the step is in the param groups) ->
+            KeyError: 'step'. The step is left to
             fix_torch_adam_step_after_load; everything else is copied as before.
   quiet     megatron's tracker.fork() warns "CPU RNG state changed within GPU RNG context" when
             the CPU generator moved inside the fork. With the rng patch the "GPU" state IS the

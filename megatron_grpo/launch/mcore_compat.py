@@ -8,12 +8,16 @@ CI runs two lanes: megatron-core 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12, t
     *args/**kwargs to get_gpt_layer_*_submodules and dropped `moe_use_legacy_grouped_gemm`; the
     TE spec takes no `normalization` (TE reads config.normalization). local_layer_spec /
     transformer_engine_layer_spec pass keywords only, and only those both versions accept.
-  * DistributedOptimizer.sharded_state_dict: the default sharding ('fully_sharded_model_space')
-    fails to save on both versions (flattened_range), so we ask for 'fully_reshardable': one
-    model-space tensor per parameter and state (gathered over DP at save), so a checkpoint loads
-    at any TP / PP / DP (CI runs the resume-layout tests on 0.16.1; 0.19.2 runs the fast suite's
-    save/resume tests). Checkpoints saved as 'dp_reshardable' (before) load by passing that
-    sharding_type (save and load must agree; it reshards across DP sizes only).
+  * DistributedOptimizer.sharded_state_dict: megatron-core's default sharding
+    ('fully_sharded_model_space') fails to save on both versions: it marks each rank's slice of a
+    parameter's state with ShardedTensor.flattened_range, which ShardedTensor refuses since 0.14
+    ("flattened_range is not supported"). We build that format ourselves from boxes of the
+    model-space tensors (model_space_param_state below) and save it: nothing is gathered, every rank
+    writes and reads only its own slices, and a checkpoint loads at any TP / PP / DP (measured
+    against megatron's 'fully_reshardable', which all-gathers the state over DP into DP-full copies
+    on every rank: benchmarks/bench_checkpoint.py, docs/checkpoints.md). Checkpoints saved as
+    'fully_reshardable' (the format before) or 'dp_reshardable' (before that; it reshards across DP
+    only) load through megatron's own path for that sharding_type (save and load must agree).
   * dist_checkpointing.save/load: 0.19 removed `common_strategy` and added `async_strategy`
     (default "nvrx", needs nvidia-resiliency-ext); we only use the synchronous defaults.
   * The results-queue Manager of the checkpoint writers: 0.16 creates it in
@@ -35,13 +39,15 @@ those (quiet_known_notices), so a one-line error is the only line a failed comma
 from __future__ import annotations
 
 import logging
+import math
 import re
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-DIST_OPTIMIZER_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+FULLY_SHARDED_MODEL_SPACE = "fully_sharded_model_space"
+DIST_OPTIMIZER_CKPT_METADATA = {"distrib_optim_sharding_type": FULLY_SHARDED_MODEL_SPACE}
 
 
 def megatron_core_version() -> tuple[int, int, int]:
@@ -83,11 +89,178 @@ def optimizer_sharded_state_dict(optimizer: Any, model_sharded_state_dict: dict,
     """The optimizer's sharded state dict in the format that saves and resumes on every version
     (or, to load an older checkpoint, in the distributed optimizer's `sharding_type` it used).
 
+    'fully_sharded_model_space' is built here (model_space_param_state), not by megatron-core.
     Also valid for a non-distributed (or chained) megatron optimizer, which ignores `metadata`."""
-    metadata = dict(DIST_OPTIMIZER_CKPT_METADATA)
-    if sharding_type is not None:
-        metadata["distrib_optim_sharding_type"] = sharding_type
+    sharding_type = sharding_type or DIST_OPTIMIZER_CKPT_METADATA["distrib_optim_sharding_type"]
+    if sharding_type == FULLY_SHARDED_MODEL_SPACE:
+        built = _model_space_state_dict(optimizer, model_sharded_state_dict, is_loading=is_loading)
+        if built is not None:
+            return built
+    metadata = dict(DIST_OPTIMIZER_CKPT_METADATA, distrib_optim_sharding_type=sharding_type)
     return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
+
+
+# ----------------------------------------------------------------------------- model space, no gather
+#
+# megatron-core's 'fully_sharded_model_space' (DistributedOptimizer.sharded_param_state_fs_model_space)
+# describes each rank's slice of a parameter's optimizer state as the parameter's ShardedTensor plus
+# `flattened_range` (a range of the flattened TP-local tensor). Since 0.14 ShardedTensor refuses
+# flattened_range (mapping.py, validate_metadata_integrity: "ShardedTensor.flattened_range is not
+# supported"; 0.16.1 and 0.19.2 alike), so the format fails before anything is written. The same
+# slice is a union of at most 2 x ndim - 1 boxes of the model-space tensor (a partial row, whole
+# rows, a partial row; recursively for more dimensions), and megatron saves and loads unevenly
+# sharded tensors made of boxes (CheckpointableShardedTensor over torch DCP, torch >= 2.6). So the
+# format is rebuilt here from boxes: every data-parallel rank writes its own slices (views of its
+# optimizer state, nothing gathered), reads exactly the boxes it holds at any TP / PP / DP (DCP
+# reads the overlap with whatever chunks were saved), and the files hold the tensors
+# 'fully_reshardable' writes (same keys 'optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>',
+# same shapes, fp32; tests/test_checkpoint_formats.py compares them bitwise). Each format still
+# loads through its own sharded state dict: the sharding type in the checkpoint's common state
+# picks megatron's load path (load_state_dict), and the two paths expect different tensors.
+
+
+def _flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple, tuple, int]]:
+    """(offset, size, first flat index) of the boxes that cover the flat elements [start, stop) of
+    a row-major tensor of `shape`, in flat order."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), (), 0)]
+    inner = math.prod(shape[1:])
+
+    def within_row(row: int, lo: int, hi: int) -> list[tuple[tuple, tuple, int]]:
+        return [((row, *offset), (1, *size), row * inner + first)
+                for offset, size, first in _flat_range_boxes(shape[1:], lo, hi)]
+
+    first_row, last_row = start // inner, (stop - 1) // inner
+    if first_row == last_row:
+        return within_row(first_row, start - first_row * inner, stop - first_row * inner)
+    boxes, row = [], first_row
+    if start % inner:
+        boxes += within_row(first_row, start % inner, inner)
+        row += 1
+    full_end = stop // inner
+    if full_end > row:
+        boxes.append(((row,) + (0,) * (len(shape) - 1), (full_end - row, *shape[1:]), row * inner))
+    if stop % inner:
+        boxes += within_row(full_end, 0, stop % inner)
+    return boxes
+
+
+def _model_pieces(metadata: Any, replica_id: Any) -> list[tuple[int, Any]]:
+    """(first flat index in the TP-local parameter, ShardedTensor) for each contiguous piece the
+    parameter is saved as: itself, or what its ShardedTensorFactory builds (the SwiGLU fc1 weight:
+    its two halves, each a different region of the model-space tensor). The factory is run on the
+    parameter itself: it makes views, whose offsets in the parameter's storage say where they lie."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    if not isinstance(metadata, ShardedTensorFactory):
+        return [(0, metadata)]
+    param = metadata.data
+    pieces = []
+    for sub in nested_values(metadata.build_fn(metadata.key, param, replica_id, None)):
+        if (not isinstance(sub, ShardedTensor) or not sub.data.is_contiguous()
+                or sub.data.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()):
+            raise ValueError(f"{metadata.key}: its sharded-tensor factory builds a piece that is not a contiguous "
+                             f"range of the parameter ({type(sub).__name__}); 'fully_sharded_model_space' cannot "
+                             f"describe it")
+        pieces.append((sub.data.storage_offset() - param.storage_offset(), sub))
+    return pieces
+
+
+def _box_factory(key: str, flat: Any, pieces: list[tuple[int, Any]], start: int, replica_id: Any) -> Any:
+    """A ShardedTensorFactory for one optimizer-state tensor of one parameter: `flat` holds the
+    parameter's flat elements [start, start + numel) (this DP rank's slice); it builds the boxes of
+    every piece that slice overlaps, as views of `flat`, and merges a load back into `flat`."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    stop = start + flat.numel()
+
+    def build(built_key, *_):  # the factory's key: a chained optimizer prefixes it after this is made
+        boxes = []
+        for first, piece in pieces:
+            lo, hi = max(start, first), min(stop, first + math.prod(piece.local_shape))
+            prepend = (1,) * piece.prepend_axis_num
+            for offset, size, at in _flat_range_boxes(tuple(piece.local_shape), lo - first, hi - first):
+                begin = first + at - start
+                data = flat[begin:begin + math.prod(size)].view(prepend + size)
+                boxes.append(replace(
+                    piece, key=built_key, data=data, dtype=data.dtype, local_shape=prepend + size,
+                    global_offset=tuple(piece.global_offset[:piece.prepend_axis_num])
+                    + tuple(o + x for o, x in zip(piece.global_offset[piece.prepend_axis_num:], offset)),
+                    axis_fragmentations=None, prepend_axis_num=0, replica_id=replica_id, flattened_range=None))
+        built[:] = boxes
+        return boxes
+
+    def merge(loaded):
+        for box, tensor in zip(built, loaded):
+            if tensor.data_ptr() != box.data.data_ptr():  # DCP read into a buffer of its own
+                box.data.copy_(tensor.view_as(box.data))
+        return flat
+
+    built: list = []
+    return ShardedTensorFactory(key, flat, build, merge, replica_id)
+
+
+def model_space_param_state(optimizer: Any, model_sharded_state_dict: dict) -> dict:
+    """A DistributedOptimizer's param_state in megatron's 'fully_sharded_model_space' layout
+    ({index: {"param" | "exp_avg" | ...: tensor}} over its local parameters in gbuf_ranges order,
+    which load_parameter_state_from_fs_model_space reads), each tensor a _box_factory."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    tensors, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+    by_param = {metadata.data: metadata for metadata in nested_values(tensors)}
+    state, index = {}, 0
+    for gbuf_range_maps in optimizer.gbuf_ranges:
+        for per_bucket in gbuf_range_maps.values():
+            for gbuf_range_map in per_bucket:
+                for model_param, ranges in gbuf_range_map["param_map"].items():
+                    metadata = by_param.get(model_param)
+                    if metadata is None:
+                        raise ValueError(f"a parameter of shape {tuple(model_param.shape)} is not in the model's "
+                                         "sharded state dict")
+                    # every DP rank saves its own slice: the DP coordinate of the replica id is 0
+                    replica_id = (*metadata.replica_id[:2], optimizer.distributed_optimizer_instance_id)
+                    pieces = _model_pieces(metadata, replica_id)
+                    state[index] = {
+                        name: _box_factory(f"optimizer.state.{name}.{metadata.key}", value, pieces,
+                                           ranges["param"].start, replica_id)
+                        for name, value in optimizer._get_main_param_and_optimizer_states(model_param).items()
+                        if name != "step"}  # Adam's step is in the param groups
+                    index += 1
+    return state
+
+
+def _model_space_state_dict(optimizer: Any, model_sharded_state_dict: dict, *, is_loading: bool) -> dict | None:
+    """What DistributedOptimizer.sharded_state_dict (and ChainedOptimizer's) returns for
+    'fully_sharded_model_space', with model_space_param_state as the param state; None for an
+    optimizer that is not (made of) megatron's DistributedOptimizer."""
+    from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inners = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    if not all(isinstance(inner, DistributedOptimizer) for inner in inners):
+        return None
+    if len(inners) > 1:
+        optimizer._synchronize_steps()  # as ChainedOptimizer.sharded_state_dict does
+    states = []
+    for inner in inners:
+        state = inner.state_dict()
+        if is_loading:  # allocates the optimizer state the load is read into (megatron does the same)
+            inner.load_state_dict(inner.state_dict())
+        state["param_state"] = model_space_param_state(inner, model_sharded_state_dict)
+        if not is_loading:  # a load takes it from the checkpoint's common state (megatron refuses both)
+            state["param_state_sharding_type"] = FULLY_SHARDED_MODEL_SPACE
+        states.append(state)
+    if len(states) == 1:
+        return states[0]
+    for index, state in enumerate(states):
+        add_prefix_for_sharding(state, f"chained_{index}.")
+    return dict(enumerate(states))
 
 
 # Where each version keeps the function that creates the checkpoint writers' results-queue Manager.

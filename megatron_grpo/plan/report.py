@@ -44,8 +44,9 @@ def render(plan: RecipePlan, recipe: str) -> str:
                                              if not ph.phase.startswith("build"))
         for s in plan.stages))
     host, ranks = max(s.save_host_bytes for s in plan.stages), min(c.gpus_per_node, p.trainer_gpus)
-    lines.append(f"  checkpoint save: up to {gib(host)} GiB of host memory per rank ({gib(host * ranks)} GiB per "
-                 f"node of {ranks} ranks) hold the gathered optimizer state until the write ends")
+    lines.append(f"  checkpoint save: nothing on the GPU; up to {gib(host)} GiB of host memory per rank "
+                 f"({gib(host * ranks)} GiB per node of {ranks} ranks) hold the copies the checkpoint writer "
+                 f"makes of what the rank writes (its optimizer slices; the weights) until the write ends")
     first = plan.stages[0]
     lines.append(f"  train micro-batch: {first.micro_batch_tokens} tokens, {first.train_micro_batches} in flight; "
                  f"budget {gib(c.trainer_budget_bytes)} GiB ({c.gpu_memory_gb:g} less {c.reserve_gb:g} reserved for "
@@ -105,9 +106,6 @@ def suggestion(plan: RecipePlan, stage: StageMemory, term: str) -> str:
         if budget:
             return f"actor.max_tokens_per_micro_batch={budget // 2} (from {budget})"
         return f"parallel.context={layout.context * 2} (split each sequence over more GPUs)"
-    if term == "checkpoint gather":
-        return (f"parallel.pipeline={layout.pipeline * 2} (a save gathers the optimizer state of the GPU's "
-                f"whole model shard from its data-parallel peers: a smaller shard gathers less)")
     if term == "sync buckets":
         return f"rollout.weight_bucket_mb={max(cfg.rollout.weight_bucket_mb // 2, 1)}"
     return f"parallel.pipeline={layout.pipeline * 2}"

@@ -14,8 +14,8 @@ The phases, in the order a step runs them once the optimizer state exists (step 
                run), then the optimizer step
   weight sync  the stage's HF export (convert/export.py) grouped into rollout.weight_bucket_mb
                buckets as the sync sends them (rollout/sglang/buckets.py)
-  checkpoint   the distributed optimizer's state gathered for a save (checkpoint_save_memory:
-               computed from the simulated buckets, as host and device are one on a CPU)
+  checkpoint   a save: nothing on the GPU in the format saved (checkpoint_save_memory: the host
+               copies megatron's writer makes, computed from the simulated buckets)
 Samples are the recipe's longest (max_prompt_length + max_response_length), cut into micro-batches
 by the trainer's planner (trainer/batches/micro_batches.py); with equal lengths the padded layout
 holds exactly the packed tokens, and it is the one simulated (see _micro_batches). Attention is the
@@ -155,7 +155,7 @@ def run_stage_phases(job: StageJob, stage: int, rank: int, fake: bool) -> StageM
             _train(policy, optimizer, train, cfg, arch, device)
         with tracker.phase("weight-sync export", "sync buckets"):
             _export(policy, cfg, arch)
-        save = checkpoint_save_memory(optimizer)
+        save = checkpoint_save_memory(policy, optimizer, job.dtype)
         measured_save = None
         if not fake:  # the validation: megatron's own save state dict, host and device together
             before = tracker.live_bytes
@@ -164,9 +164,9 @@ def run_stage_phases(job: StageJob, stage: int, rank: int, fake: bool) -> StageM
             measured_save = tracker.phases[-1].peak_bytes - before
         phases = [p for p in tracker.phases if p.phase not in ("reference in", "checkpoint state dict, measured")]
         resident_live = tracker.live_bytes
+        gather = {"checkpoint gather": save.device_bytes} if save.device_bytes else {}
         phases.append(PhasePeak("checkpoint save", peak_bytes=resident_live + save.device_bytes,
-                                by_category={**{k: v for k, v in tracker.by_category.items() if v},
-                                             "checkpoint gather": save.device_bytes},
+                                by_category={**{k: v for k, v in tracker.by_category.items() if v}, **gather},
                                 end_bytes=resident_live))
     return StageMemory(stage=stage, rank=rank, phases=phases, resident=resident, parameters=parameters,
                        buffer_numel=buffer_numel,
@@ -296,29 +296,27 @@ class SaveMemory:
     local_copy_bytes: int  # of device_bytes: the GPU copy of the local shard (no copy on a CPU)
 
 
-def checkpoint_save_memory(optimizer) -> SaveMemory:
-    """What a save's optimizer state dict costs (megatron-core's DistributedOptimizer,
-    'fully_reshardable', as trainer/state/checkpoint.py saves it): for each grad buffer bucket and
-    each of param / exp_avg / exp_avg_sq, the shards of the optimizer's data-parallel group are
-    all-gathered into fp32 tensors on the GPU (freed after their copy to the host), from a GPU copy
-    of the local shard; every rank keeps the whole gathered state (3 fp32 values per element) and
-    its three local shards on the host, plus two gathered fp32 copies of a bucket while it loops
-    over the state keys (the validation measures all of it). Computed from the simulated optimizer's buckets: on a CPU
-    host and device memory are one, so running the save would not tell them apart."""
-    device, host, local_copy, host_transient = 0, 0, 0, 0
+def checkpoint_save_memory(policy, optimizer, dtype: torch.dtype) -> SaveMemory:
+    """What a save costs above training's resident state, in the format trainer/state/checkpoint.py
+    saves ('fully_sharded_model_space', launch/mcore_compat.py): nothing on the GPU (a rank's slices
+    of its optimizer state are views of it; nothing is gathered). On the host, megatron's checkpoint
+    writer copies what the rank writes off the GPU before writing it: its fp32 param / exp_avg /
+    exp_avg_sq slices (3 x 4 B per element of its shard of each bucket; a non-distributed
+    optimizer's whole state) and, as data-parallel rank 0 of its TP x PP group (the planned rank),
+    the weights. benchmarks/bench_checkpoint.py measures these figures to the byte on CPU, with every
+    tensor filed where a CUDA run keeps it (docs/checkpoints.md); the format megatron-core's
+    'fully_reshardable' (before) all-gathered the state over DP on the GPU and held DP-full copies on
+    every rank's host."""
+    host = sum(param.numel() * param.element_size() for chunk in policy for param in chunk.parameters())
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):  # MoE: dense + expert optimizers
-        if not hasattr(inner, "buffers"):  # not distributed: nothing is gathered
-            continue
-        dp = inner.data_parallel_group.size()
-        for bucket in (bucket for buffer in inner.buffers for bucket in buffer.buckets):
-            world = bucket.grad_data.numel()
-            if 4 * world + 4 * (world // dp) > device:
-                device, local_copy = 4 * world + 4 * (world // dp), 4 * (world // dp)
-            host += 3 * 4 * bucket.numel_unpadded + 3 * 4 * (world // dp)
-            # the previous state key's gathered copies and their concatenation are still referenced
-            # while the next key is gathered
-            host_transient = max(host_transient, 2 * 4 * world)
-    return SaveMemory(device, host + host_transient, local_copy)
+        if hasattr(inner, "buffers"):
+            dp = inner.data_parallel_group.size()
+            host += sum(3 * 4 * (bucket.grad_data.numel() // dp)
+                        for buffer in inner.buffers for bucket in buffer.buckets)
+        else:  # not distributed: the whole state, keyed like the model
+            per = bytes_per_parameter(dtype, distributed_optimizer=False, dp=1)["optimizer state"]
+            host += int(per * sum(p.numel() for group in inner.param_groups for p in group["params"]))
+    return SaveMemory(device_bytes=0, host_bytes=host, local_copy_bytes=0)
 
 
 def bytes_per_parameter(dtype: torch.dtype, distributed_optimizer: bool, dp: int) -> dict[str, float]:
