@@ -168,3 +168,23 @@ def test_bench_replay_summarises_runs_side_by_side(tmp_path):
     table = bench_replay.table(rows, 0.8)
     assert "| replay on | 0.0% / 0.0% | 1e-07 / 1e-07 |" in table and "| 50 | 1.00x | 1.00x |" in table
     assert bench_replay.plot(tmp_path, runs).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bench_checkpoint_quick_measures_the_formats_figures(tmp_path):
+    """bench_checkpoint --quick (10M, DP2): what its GPU-equivalent tracker counts agrees with the
+    per-element formulas (so a change in megatron's save path or in the tracker shows), and the
+    model-space format gathers nothing."""
+    import bench_checkpoint
+
+    out = tmp_path / "checkpoint.json"
+    proc = _run(str(BENCH / "bench_checkpoint.py"), "--quick", "--json", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["format"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"fully_reshardable", "fully_sharded_model_space"}
+    for fmt, r in rows.items():
+        formula = bench_checkpoint.predicted(fmt, r["numel"], r["dp"], r["fc1"], weight_bytes=4)
+        for key, value in formula.items():
+            assert abs(r[key] - value) <= 0.05 * r["numel"], (fmt, key, r[key], value)  # terms: >= 1 B per element
+    assert rows["fully_sharded_model_space"]["save_device"] == 0 < rows["fully_reshardable"]["save_device"]
+    assert "| TP8 x PP2 x DP8 | 4.41B | fully_sharded_model_space | 0.0 GB |" in proc.stdout
