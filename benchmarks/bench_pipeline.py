@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"PP=2, {MICRO_BATCHES} micro-batches, gloo; ideal VPP2/VPP1 (bubble only) {THEORY:.3f}\n")
     print("| shape | VPP 1 update | VPP 2 update | VPP 2 / VPP 1 |\n|---|---|---|---|")
     for row in rows:
-        print(f"| {row['shape']} | {row['vpp1_s'] * 1000:.0f} ms | {row['vpp2_s'] * 1000:.0f} ms | {row['ratio']:.3f} |")
+        vpp1_ms, vpp2_ms = row["vpp1_s"] * 1000, row["vpp2_s"] * 1000
+        print(f"| {row['shape']} | {vpp1_ms:.0f} ms | {vpp2_ms:.0f} ms | {row['ratio']:.3f} |")
     if args.json:
         args.json.write_text(json.dumps({"theory": THEORY, "rows": rows}, indent=1))
     return 0
