@@ -430,6 +430,12 @@ def part_bench(ctx: Context, box_s: float) -> PartResult:
         against = f" = {row['fraction']} of {row['peak']}" if row.get("fraction", "n/a") != "n/a" else ""
         result.rows.append([f"{row['section']}: {row['setting']}", row["measured"] + against, row.get("target", ""),
                             row.get("verdict", "")])
+    return _with_outcome(result, status, raw, log, box_s)
+
+
+def _with_outcome(result: PartResult, status: int | None, raw: dict, log: Path, box_s: float) -> PartResult:
+    """A benchmark part's status and error from its exit status (None: killed at the box) and the
+    errors / running section its JSON report recorded."""
     errors = raw.get("errors") or {}
     if status is None:
         running = raw.get("running")
@@ -458,17 +464,7 @@ def part_attention(ctx: Context, box_s: float) -> PartResult:
     for row in data.get("rows", []):
         result.rows.append([f"{row['section']}: {row['setting']}", row["measured"], row.get("target", ""),
                             row.get("verdict", "")])
-    errors = raw.get("errors") or {}
-    if status is None:
-        running = raw.get("running")
-        result.status = "timeout"
-        result.error = f"killed after {box_s:.0f} s" + (f" while running section {running!r}" if running else "")
-    elif status != 0 or errors:
-        result.status = "failed"
-        result.error = "; ".join(f"{k}: {v}" for k, v in errors.items()) if errors else log_tail(log)
-    else:
-        result.status = "ok"
-    return result
+    return _with_outcome(result, status, raw, log, box_s)
 
 
 @dataclass(frozen=True)
