@@ -219,12 +219,15 @@ def test_cli_help_and_refusals(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "tools" / "convert_hf_to_megatron.py"), "--help"],
                          capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert "examples:" in out and "--force" in out and "torchrun" in out
+    source = tmp_path / "source"
+    source.mkdir()
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep").write_text("x")
     from megatron_grpo.convert.cli import main
 
-    assert main(["hf-to-megatron", "--hf", str(tmp_path), "--out", str(tmp_path / "out")]) == 1
-    assert main(["megatron-to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "new")]) == 1  # not a ckpt
+    # a non-empty --out without --force, then a folder that is not a checkpoint
+    assert main(["hf-to-megatron", "--hf", str(source), "--out", str(tmp_path / "out")]) == 1
+    assert main(["megatron-to-hf", "--ckpt", str(source), "--out", str(tmp_path / "new")]) == 1
 
 
 @pytest.mark.slow
