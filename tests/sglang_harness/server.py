@@ -32,7 +32,23 @@ def main(argv: list[str] | None = None) -> None:
     devices = server_args.base_gpu_id + server_args.tp_size * server_args.gpu_id_step
     os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND",
                           "|".join(str(device % (os.cpu_count() or 1)) for device in range(devices)))
+    _fork_instead_of_spawn()
     launch_server(server_args, run_scheduler_process_func=run_cpu_scheduler)
+
+
+def _fork_instead_of_spawn() -> None:
+    """SGLang forces the 'spawn' start method (CUDA cannot be forked); the CPU stand-in forks its
+    scheduler and detokenizer processes instead. They run the same code with the same arguments,
+    but inherit the server's imports: spawned, each re-imported SGLang (~5 s of CPU per process,
+    most of a harness server's start on the tests' 2 cores)."""
+    import multiprocessing
+
+    set_start_method = multiprocessing.set_start_method
+
+    def forked(method: str | None, force: bool = False) -> None:
+        set_start_method("fork" if method == "spawn" else method, force=force)
+
+    multiprocessing.set_start_method = forked
 
 
 if __name__ == "__main__":
