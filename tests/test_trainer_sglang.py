@@ -257,8 +257,9 @@ def test_engines_given_by_url_dying_one_then_the_last(tmp_path, policy_dir):
     """Two engines given by URL, min_engines=1. Engine B is SIGKILLed once step 1 is logged: it
     leaves the rotation (it was not launched by this trainer, so it stays out) and
     step 2 runs on A alone, with A's log-probs those of the trainer's step-1 weights. A then dies in
-    step 3 (its scheduler exits at its 49th /generate request: 8 prompts x 4 samples round robin
-    give A 16 in step 1, 32-48 by the end of step 2, whatever B answered before it died): below
+    step 3 (its scheduler exits at its 49th /generate request: the least-loaded client gives A
+    half of step 1's 8 prompts x 4 samples, 32-48 by the end of step 2, whatever B answered
+    before it died): below
     min_engines, every rank stops with the rollout error naming A, after checkpointing step 2."""
     run = tmp_path / "run"
     doomed_last = SGLangLauncher(servers=[server_settings(policy_dir)], log_dir=tmp_path / "logs-a",
