@@ -166,7 +166,8 @@ def test_the_trainer_refuses_a_layout_that_cannot_fit_and_caches_the_plan(tmp_pa
 def test_the_recipes_memory_comments_agree_with_their_plans():
     """Each sbatch recipe's comment carries its plan's peak (tests/data/recipe_plans.json, written
     by scripts/recipe_plans.py from the #SBATCH shape), and its hand arithmetic of the resident
-    state (weights, grads, optimizer, reference) is within 5% of the simulated one."""
+    state (weights, grads, optimizer, reference) is within 5% of the simulated one, and its engines'
+    KV capacity in tokens within 2% of the planned one."""
     sys_path = str(REPO / "scripts")
     import sys
 
@@ -184,3 +185,6 @@ def test_the_recipes_memory_comments_agree_with_their_plans():
         resident = re.search(r"-> resident[^~\n]*~ ([\d.]+) GB", text)
         simulated = sum(stage["resident_bytes"].values()) / 1e9
         assert resident and abs(float(resident.group(1)) - simulated) <= 0.05 * simulated, (recipe, simulated)
+        kv_tokens = re.search(r"-> ~(\d+)k tokens", text)  # the engines' hand arithmetic
+        planned = plan["engines"]["capacity_tokens"] / 1e3
+        assert kv_tokens and abs(int(kv_tokens.group(1)) - planned) <= 0.02 * planned, (recipe, planned)
