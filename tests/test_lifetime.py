@@ -4,8 +4,8 @@ Fast tests: a reward worker in the middle of a call, and a process forked after 
 stop-signal handlers were installed (as megatron-core forks its checkpoint writers), die with a
 parent killed by SIGKILL; the forked one also takes SIGTERM instead of inheriting the trainer's
 flag-only handler. Slow test: the tiny recipe, checkpointing every step with reward workers, is
-killed with SIGKILL at 5 moments (3 random ones during training, 2 while megatron's checkpoint
-writer processes exist); 10 s later no process that carries the run's environment marker (every
+killed with SIGKILL at 3 moments (2 random ones during training, 1 while megatron's checkpoint
+writer processes exist; 5 moments before CI's time budget got tight, none ever left a process); 10 s later no process that carries the run's environment marker (every
 descendant inherits it) is alive.
 """
 from __future__ import annotations
@@ -190,7 +190,7 @@ def test_kill_9_of_the_trainer_leaves_no_process(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
            and not k.startswith(("SLURM_", "OMPI_", "PMI"))}
-    plans = ["random", "save", "random", "save", "random"]
+    plans = ["random", "save", "random"]
     report, seen_kinds = [], set()
     for trial, plan in enumerate(plans):
         marker = uuid.uuid4().hex
