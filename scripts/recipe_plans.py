@@ -18,15 +18,20 @@ GPU_SIZES_GIB = (80, 141)  # H100, H200
 
 
 def sbatch_clusters() -> dict[str, tuple[int, int]]:
-    """{recipe: (nodes, gpus per node)} from slurm/grpo_*.sh (the tiny CPU script aside)."""
-    out = {}
+    """{recipe: (nodes, gpus per node)} from slurm/grpo_*.sh (the tiny CPU script aside): each
+    script's default recipe, and the recipes whose header says `Launch: RECIPE=<it> sbatch <script>`."""
+    shapes, out = {}, {}
     for script in sorted((REPO / "slurm").glob("grpo_*.sh")):
         text = script.read_text()
         recipe = re.search(r': "\$\{RECIPE:=(\w+)\}"', text)
         nodes = re.search(r"#SBATCH --nodes=(\d+)", text)
         gpus = re.search(r"#SBATCH --gpus-per-node=(\d+)", text)
         if recipe and nodes and gpus and "tiny" not in recipe.group(1):
-            out[recipe.group(1)] = (int(nodes.group(1)), int(gpus.group(1)))
+            shapes[script.name] = out[recipe.group(1)] = (int(nodes.group(1)), int(gpus.group(1)))
+    for path in sorted((REPO / "megatron_grpo" / "recipes").glob("*.yaml")):
+        launch = re.search(r"^#\s+Launch: RECIPE=(\w+) sbatch slurm/(\S+\.sh)", path.read_text(), re.M)
+        if launch and launch.group(2) in shapes:
+            out[launch.group(1)] = shapes[launch.group(2)]
     return out
 
 
