@@ -251,7 +251,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--groups", type=int, default=8, help="numerics: KV heads")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--sequences", type=int, default=12, help="numerics: sequences in the packed row")
-    parser.add_argument("--micro-batch-rows", type=int, default=8)
+    parser.add_argument("--micro-batch-rows", type=int, help="default: bench_gpu's (8, or 4 under 100 GiB)")
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--prompt-length", type=int, default=256)
     parser.add_argument("--response-length", type=int, default=768)
@@ -275,6 +275,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               "or pass --dry-run to check its code paths on CPU.", file=sys.stderr)
         return 2
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if args.micro_batch_rows is None:
+        args.micro_batch_rows = bench_gpu.default_micro_batch_rows(device)
     name, peak_tflops, _ = bench_gpu.device_peaks(device, args.peak_tflops, None)
     report = Report(device=name)
     report.raw["versions"] = {"torch": torch.__version__, "cuda": torch.version.cuda}
