@@ -5,7 +5,8 @@ stop-signal handlers were installed (as megatron-core forks its checkpoint write
 parent killed by SIGKILL; the forked one also takes SIGTERM instead of inheriting the trainer's
 flag-only handler. Slow test: the tiny recipe, checkpointing every step with reward workers, is
 killed with SIGKILL at 3 moments (2 random ones during training, 1 while megatron's checkpoint
-writer processes exist; 5 moments before CI's time budget got tight, none ever left a process); 10 s later no process that carries the run's environment marker (every
+writer processes exist; 5 moments before CI's time budget got tight, none ever left a process);
+10 s later no process that carries the run's environment marker (every
 descendant inherits it) is alive.
 """
 from __future__ import annotations
