@@ -124,7 +124,7 @@ def _peak_loads(urls: list[str], work) -> tuple[dict[str, int], int]:
 def test_max_concurrency_is_sequences_per_engine_directly_and_behind_the_router(servers, tmp_path):
     """8 groups of n=3 (unseeded: one request of 3 sequences each) at max_concurrency=6: each of two
     engines holds 6 sequences (two requests) while work remains, never more; behind the router the
-    client holds 6 x 2 engines and the router spreads them."""
+    client holds 6 x 2 engines and the router spreads them; with one engine fewer, 6 x 1."""
     from megatron_grpo.rollout.sglang.client import SGLangClient
     from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
     from tests.sglang_harness.fixtures import launch_router
@@ -143,7 +143,12 @@ def test_max_concurrency_is_sequences_per_engine_directly_and_behind_the_router(
     try:
         routed = SGLangClient([router.router.url], concurrency=6, engines_per_url=2)
         peaks, together = _peak_loads(engines, lambda: routed.generate(requests))
+        # one engine left the pool (SGLangEngine._rotation_changed): the router's URL holds 6 x 1
+        routed.set_engines_per_url(1)
+        routed.reset_peaks()
+        _, after_loss = _peak_loads(engines, lambda: routed.generate(requests))
     finally:
         router.shutdown(grace_s=2)
-    assert routed.peak_in_flight == {router.router.url: 12} and together == 12
+    assert together == 12 and after_loss == 6
+    assert routed.peak_in_flight == {router.router.url: 6}
     assert all(peak >= 3 for peak in peaks.values()), peaks  # the router used both
