@@ -32,6 +32,9 @@ class CpuShrink:
     engine_tp: int
     why: str  # what was scaled, in words
     extra: tuple[str, ...] = ()  # recipe-specific overrides (what the shrunk sizes force)
+    # reproducible runs ask the engines for deterministic inference; one recipe keeps the shipped
+    # throughput-first setting (unseeded sampling) so that path runs through a trainer too
+    deterministic: bool = True
     # GSM8K / MATH prompts need a model that can do arithmetic: a random model on them gets reward 0
     # for every sample, so no gradient. The synthetic reverse task gives partial credit per digit.
     task: tuple[str, ...] = ("data.task=reverse", "data.task_kwargs={min_digits: 3, max_digits: 3, num_symbols: 4}",
@@ -51,7 +54,8 @@ CLUSTER_RECIPES: dict[str, CpuShrink] = {
               "data.train_files=[]", "data.val_files=[]")),  # the environment scores (python_gsm8k)
     "qwen3_32b_math": CpuShrink(
         "qwen3", 4, {"tensor": 2}, engines=2, engine_tp=2,
-        why="TP8 x DP2 on 16 GPUs, 8 dedicated engines of tp 2 -> TP2 x DP2, 2 engines of tp 2"),
+        why="TP8 x DP2 on 16 GPUs, 8 dedicated engines of tp 2 -> TP2 x DP2, 2 engines of tp 2",
+        deterministic=False),
     "llama3_70b_gsm8k": CpuShrink(
         "llama", 4, {"tensor": 2, "pipeline": 2}, engines=2, engine_tp=2,
         why="TP8 x PP2 x DP2 on 32 GPUs, 8 dedicated engines of tp 4 -> TP2 x PP2, 2 engines of tp 2"),
@@ -130,11 +134,11 @@ def _first_step(rank, world_size, recipe, overrides, skip_engine=None):
         captured["initial"] = hf_weights(run)
         return run
 
-    def capture_step(run, step, pipeline=None):
+    def capture_step(run, step, pipeline=None, **kwargs):
         if skip_engine is not None and run.stage_sync.sink is not None and f"engine {skip_engine} " in \
                 run.stage_sync.role.label:
             run.stage_sync.sink.push = lambda tensors, version: SyncStats()
-        metrics = grpo_step(run, step, pipeline)
+        metrics = grpo_step(run, step, pipeline, **kwargs)
         captured["trained"] = hf_weights(run)
         return metrics
 
@@ -172,19 +176,20 @@ class Fleets:
             self.policies[architecture] = tiny_policy(architecture, self.root / architecture)
         return self.policies[architecture]
 
-    def urls(self, architecture: str, engines: int, tp: int) -> list[str]:
+    def urls(self, architecture: str, engines: int, tp: int, deterministic: bool = True) -> list[str]:
         from tests.sglang_harness.fixtures import launch_servers, server_settings
 
-        key = (architecture, engines, tp)
+        key = (architecture, engines, tp, deterministic)
         if key not in self.launchers:  # engine k on emulated GPUs k*tp.. (rollout/sglang/colocated.py)
-            settings = [server_settings(self.policy(architecture), tp_size=tp,
+            settings = [server_settings(self.policy(architecture), tp_size=tp, deterministic=deterministic,
                                         extra_args=("--base-gpu-id", str(k * tp))) for k in range(engines)]
             self.launchers[key] = launch_servers(self.root / "logs" / "-".join(map(str, key)), settings)
         return [server.url for server in self.launchers[key].servers]
 
     def retire(self, shrink: "CpuShrink") -> None:
         """Stops the fleet a run left inconsistent; a later run gets a fresh one."""
-        self.launchers.pop((shrink.architecture, shrink.engines, shrink.engine_tp)).shutdown(grace_s=2)
+        self.launchers.pop((shrink.architecture, shrink.engines, shrink.engine_tp,
+                            shrink.deterministic)).shutdown(grace_s=2)
 
     def close(self) -> None:
         for launcher in self.launchers.values():
@@ -223,8 +228,7 @@ def cpu_overrides(recipe: str, policy: Path, output_dir: Path) -> list[str]:
         # a tiny random model moves visibly in one step only with a large learning rate, from step 1
         "actor.optim.lr=1e-3", "actor.optim.lr_warmup_steps=0",
         "reward.num_workers=2", "trainer.device=cpu", "trainer.total_steps=1",
-        # reproducible test runs (the recipes are throughput-first: unseeded sampling)
-        "rollout.sglang.deterministic_inference=true",
+        f"rollout.sglang.deterministic_inference={str(shrink.deterministic).lower()}",
         f"logging.output_dir={output_dir}", "logging.plot=false", *shrink.extra]
 
 
@@ -237,7 +241,7 @@ def run_recipe(recipe: str, fleets: Fleets, tmp_path: Path, extra: tuple[str, ..
 
     shrink = CLUSTER_RECIPES[recipe]
     policy, urls = fleets.policy(shrink.architecture), fleets.urls(shrink.architecture, shrink.engines,
-                                                                   shrink.engine_tp)
+                                                                   shrink.engine_tp, shrink.deterministic)
     overrides = [*cpu_overrides(recipe, policy, tmp_path / "run"),
                  f"rollout.sglang.urls=[{','.join(urls)}]", f"rollout.sglang.num_engines={len(urls)}",
                  f"rollout.sglang.tp_size={shrink.engine_tp}", *extra]
