@@ -77,8 +77,9 @@ async def run():
     await session.aclose() if library == "httpx" else await session.close()
     assert tokens == 64 * total
     cpu_s = (end.user - cpu.user) + (end.system - cpu.system)
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"requests_per_s": total / wall, "cpu_s_per_1k": 1000 * cpu_s / total,
-                      "threads": threads[0], "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                      "threads": threads[0], "peak_rss_mib": rss_mib}))
 
 asyncio.run(run())
 """
@@ -93,7 +94,8 @@ def setup() -> Path:
     python = VENV / "bin" / "python"
     child_site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
                                 capture_output=True, text=True, check=True).stdout.strip()
-    Path(child_site, "_mgrpo_base_venv.pth").write_text(f"import site; site.addsitedir({site.getsitepackages()[0]!r})\n")
+    base_site = site.getsitepackages()[0]
+    Path(child_site, "_mgrpo_base_venv.pth").write_text(f"import site; site.addsitedir({base_site!r})\n")
     subprocess.run([str(python), "-m", "pip", "install", "-q", HTTPX], check=True)
     return python
 
@@ -150,12 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.terminate()
         server.wait(timeout=10)
-    print(f"| in flight | requests/s aiohttp / httpx | client CPU s per 1000 requests aiohttp / httpx (ratio) "
-          f"| threads | peak RSS MiB aiohttp / httpx |\n|---|---|---|---|---|")
+    print("| in flight | requests/s aiohttp / httpx | client CPU s per 1000 requests aiohttp / httpx (ratio) "
+          "| threads | peak RSS MiB aiohttp / httpx |\n|---|---|---|---|---|")
     for level in args.levels:
         a, h = rows["aiohttp", level], rows["httpx", level]
+        ratio = h["cpu_s_per_1k"] / a["cpu_s_per_1k"]
         print(f"| {level} | {a['requests_per_s']:.0f} / {h['requests_per_s']:.0f} | {a['cpu_s_per_1k']:.2f} / "
-              f"{h['cpu_s_per_1k']:.2f} ({h['cpu_s_per_1k'] / a['cpu_s_per_1k']:.2f}x) | {a['threads']} / {h['threads']} "
+              f"{h['cpu_s_per_1k']:.2f} ({ratio:.2f}x) | {a['threads']} / {h['threads']} "
               f"| {a['peak_rss_mib']:.0f} / {h['peak_rss_mib']:.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({f"{lib} {level}": row for (lib, level), row in rows.items()}, indent=1))
