@@ -303,20 +303,25 @@ def find_trl_python(explicit: str | None) -> str | None:
     return None
 
 
-def setup_trl_venv() -> Path:
-    """build/bench-trl-venv: sees this environment's packages through a .pth file, and gets trl and
-    its extra dependencies installed into itself, so this environment stays as it is."""
+def layered_venv(folder: Path, pip_args: list[str]) -> Path:
+    """A venv at `folder` that sees this environment's packages through a .pth file and gets
+    `pip install <pip_args>` into itself, so this environment stays as it is; its python."""
     import site
     import venv
 
-    venv.EnvBuilder(with_pip=True, clear=False).create(TRL_VENV)
-    python = TRL_VENV / "bin" / "python"
+    venv.EnvBuilder(with_pip=True, clear=False).create(folder)
+    python = folder / "bin" / "python"
     child_site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
                                 capture_output=True, text=True, check=True).stdout.strip()
     base_site = site.getsitepackages()[0]
     Path(child_site, "_mgrpo_base_venv.pth").write_text(f"import site; site.addsitedir({base_site!r})\n")
-    subprocess.run([str(python), "-m", "pip", "install", "-r", str(REQUIREMENTS)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", *pip_args], check=True)
     return python
+
+
+def setup_trl_venv() -> Path:
+    """build/bench-trl-venv: trl and its extra dependencies beside this environment."""
+    return layered_venv(TRL_VENV, ["-r", str(REQUIREMENTS)])
 
 
 def run_worker(python: str, system: str, settings: Settings, model_dir: Path, work: Path,

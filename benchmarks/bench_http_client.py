@@ -86,18 +86,10 @@ asyncio.run(run())
 
 
 def setup() -> Path:
-    """build/bench-http-venv sees .venv's packages (aiohttp) through a .pth file and adds httpx."""
-    import site
-    import venv
+    """build/bench-http-venv: httpx beside .venv (which has aiohttp)."""
+    from bench_e2e import layered_venv
 
-    venv.EnvBuilder(with_pip=True, clear=False).create(VENV)
-    python = VENV / "bin" / "python"
-    child_site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
-                                capture_output=True, text=True, check=True).stdout.strip()
-    base_site = site.getsitepackages()[0]
-    Path(child_site, "_mgrpo_base_venv.pth").write_text(f"import site; site.addsitedir({base_site!r})\n")
-    subprocess.run([str(python), "-m", "pip", "install", "-q", HTTPX], check=True)
-    return python
+    return layered_venv(VENV, ["-q", HTTPX])
 
 
 def free_port() -> int:
