@@ -33,7 +33,7 @@ def test_model_config_fields():
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(model_type="mistral"), "model_type 'mistral' is not supported"),
-    (dict(model_type="qwen2_moe"), "model_type 'qwen2_moe' is not supported"),
+    (dict(model_type="mixtral"), "model_type 'mixtral' is not supported"),
     (dict(architectures=["Qwen2ForSequenceClassification"]), "architectures"),
     (dict(use_sliding_window=True), "use_sliding_window"),
     (dict(layer_types=["sliding_attention"] * 4), "layer_types"),

@@ -6,7 +6,7 @@ side (megatron numbers layers per chunk; TransformerLayer.layer_number is the gl
 A rule lists Megatron name alternatives: the local spec name first, then Transformer Engine's
 (TE fuses the pre-attention / pre-MLP norms into linear_qkv / linear_fc1).
 
-MoE layers (qwen3_moe): the router (HF mlp.gate) and one gate/up/down triple per expert under
+MoE layers (qwen3_moe, qwen2_moe): the router (HF mlp.gate) and one gate/up/down triple per expert under
 "{expert}": the chunk-local expert index on the Megatron side (SequentialMLP's local_experts.{e},
 TE grouped GEMM's weight{e}), the global one on the HF side (EP rank r holds experts
 r * E/EP .. (r+1) * E/EP - 1). Expert tensors are split over the expert tensor-parallel group
@@ -106,6 +106,19 @@ EXPERT_DOWN = Rule((_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
                    (_E + "down_proj.weight",), Split(dim=1), lambda c: ((c.hidden_size, c.moe_ffn_hidden_size),),
                    "layer", layers="moe", per_expert=True)
 
+# Qwen2-MoE's shared expert (megatron's SharedExpertMLP: split over TP like a dense MLP) and its
+# sigmoid gate ([1, hidden], replicated).
+_S = _L + "mlp.shared_experts."
+SHARED_GATE_UP = Rule((_S + "linear_fc1.weight",),
+                      (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"),
+                      FusedGateUp(), lambda c: ((c.shared_expert_ffn_hidden_size, c.hidden_size),) * 2, "layer",
+                      layers="moe")
+SHARED_DOWN = Rule((_S + "linear_fc2.weight",), (_H + "mlp.shared_expert.down_proj.weight",), Split(dim=1),
+                   lambda c: ((c.hidden_size, c.shared_expert_ffn_hidden_size),), "layer", layers="moe")
+SHARED_GATE = Rule((_S + "gate_weight",), (_H + "mlp.shared_expert_gate.weight",), Replicated(),
+                   lambda c: ((1, c.hidden_size),), "layer", layers="moe")
+QKV_BIAS_IF_SET = dataclasses.replace(QKV_BIAS, when=lambda c: c.qkv_bias)
+
 MAPPINGS: dict[str, tuple[Rule, ...]] = {
     "llama": (EMBEDDING, INPUT_NORM, QKV, O_PROJ, POST_ATTN_NORM, GATE_UP, DOWN, FINAL_NORM, OUTPUT, TIED_OUTPUT),
     "qwen2": (EMBEDDING, INPUT_NORM, QKV, QKV_BIAS, O_PROJ, POST_ATTN_NORM, GATE_UP, DOWN, FINAL_NORM, OUTPUT,
@@ -114,6 +127,9 @@ MAPPINGS: dict[str, tuple[Rule, ...]] = {
               OUTPUT, TIED_OUTPUT),
     "qwen3_moe": (EMBEDDING, INPUT_NORM, QKV, Q_NORM, K_NORM, O_PROJ, POST_ATTN_NORM, GATE_UP, DOWN, ROUTER,
                   EXPERT_GATE_UP, EXPERT_DOWN, FINAL_NORM, OUTPUT, TIED_OUTPUT),
+    "qwen2_moe": (EMBEDDING, INPUT_NORM, QKV, QKV_BIAS_IF_SET, O_PROJ, POST_ATTN_NORM, GATE_UP, DOWN, ROUTER,
+                  EXPERT_GATE_UP, EXPERT_DOWN, SHARED_GATE_UP, SHARED_DOWN, SHARED_GATE, FINAL_NORM, OUTPUT,
+                  TIED_OUTPUT),
 }
 
 # HF files of tied models sometimes still carry the (identical) lm_head; we accept and ignore it.

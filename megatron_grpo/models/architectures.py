@@ -15,6 +15,14 @@ class ArchitectureSpec:
     qk_norm: bool                   # RMSNorm over head_dim on queries and keys before RoPE
     attention_bias_key: str | None  # config field that, when true, adds biases we do not support
     moe: bool = False               # sparse MLP layers (routed experts; config.json's num_experts)
+    # A shared expert beside the routed ones (config.json's shared_expert_intermediate_size), its output
+    # scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE).
+    gated_shared_expert: bool = False
+    # Config field that switches the q/k/v biases off (qkv_bias defaults to true; None: hard-wired).
+    qkv_bias_key: str | None = None
+    # SGLang 0.5.23's model class builds every layer sparse (it reads neither mlp_only_layers nor
+    # decoder_sparse_step) and skips a dense layer's MLP weights in silence.
+    sglang_every_layer_sparse: bool = False
 
 
 ARCHITECTURES: dict[str, ArchitectureSpec] = {
@@ -31,4 +39,9 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     # expert; dense MLP layers where decoder_sparse_step / mlp_only_layers say so.
     "qwen3_moe": ArchitectureSpec("qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True,
                                   attention_bias_key="attention_bias", moe=True),
+    # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2 attention (q/k/v bias, config qkv_bias);
+    # routed experts as Qwen3-MoE plus one shared expert gated by sigmoid(shared_expert_gate(x)).
+    "qwen2_moe": ArchitectureSpec("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True, qk_norm=False,
+                                  attention_bias_key=None, moe=True, gated_shared_expert=True,
+                                  qkv_bias_key="qkv_bias", sglang_every_layer_sparse=True),
 }

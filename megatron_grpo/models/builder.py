@@ -116,6 +116,9 @@ def moe_config(model_config: ModelArchitecture, layout: ParallelLayout, grouped_
         num_moe_experts=model_config.num_experts,
         moe_router_topk=model_config.moe_top_k,
         moe_ffn_hidden_size=model_config.moe_ffn_hidden_size,
+        # Qwen2-MoE's shared expert: megatron's SharedExpertMLP, its output times sigmoid(gate_weight . x).
+        moe_shared_expert_intermediate_size=model_config.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=model_config.shared_expert_ffn_hidden_size > 0,
         moe_layer_freq=[1 if i in model_config.moe_layers else 0 for i in range(model_config.num_layers)],
         moe_router_pre_softmax=not model_config.norm_topk_prob,
         moe_router_score_function="softmax",

@@ -59,6 +59,9 @@ class ModelArchitecture:
     norm_topk_prob: bool = False       # renormalise the top-k softmax probabilities to sum to 1
     # HF adds router_aux_loss_coef * aux loss only when output_router_logits is true; 0 otherwise.
     router_aux_loss_coef: float = 0.0
+    # Qwen2-MoE's shared expert on every sparse layer (0: none): a SwiGLU MLP of this width whose
+    # output is scaled by sigmoid(shared_expert_gate(x)) and added to the routed experts' output.
+    shared_expert_ffn_hidden_size: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -121,6 +124,8 @@ class ModelArchitecture:
                   ("padded vocab size", self.padded_vocab_size)]
         if self.dense_layers:
             checks.append(("intermediate_size", self.ffn_hidden_size))
+        if self.shared_expert_ffn_hidden_size:
+            checks.append(("shared_expert_intermediate_size", self.shared_expert_ffn_hidden_size))
         for name, value in checks:
             if value % tensor_parallel:
                 raise ConfigError(f"tensor parallel size {tensor_parallel} does not divide {name} = {value}")
@@ -211,7 +216,7 @@ def _parse(hf: dict, where: str, padded_vocab_size: int | None, tensor_parallel:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=spec.qkv_bias,
+        qkv_bias=bool(hf.get(spec.qkv_bias_key, True)) if spec.qkv_bias_key else spec.qkv_bias,
         qk_norm=spec.qk_norm,
         attention_dropout=float(hf.get("attention_dropout") or 0.0),
         hf_config=hf,
@@ -243,9 +248,15 @@ def _parse_moe(hf: Mapping, spec: ArchitectureSpec, num_layers: int, where: str)
     if not moe_layers:
         raise ConfigError(f"{where}: no sparse layer (decoder_sparse_step={step}, mlp_only_layers={dense_only})")
     coef = float(hf.get("router_aux_loss_coef") or 0.0) if hf.get("output_router_logits") else 0.0
+    shared = 0
+    if spec.gated_shared_expert:
+        shared = int(_require(hf, "shared_expert_intermediate_size", where))
+        if shared < 1:
+            raise ConfigError(f"{where}: shared_expert_intermediate_size={shared} must be >= 1")
     return dict(num_experts=experts, moe_top_k=top_k,
                 moe_ffn_hidden_size=int(_require(hf, "moe_intermediate_size", where)), moe_layers=moe_layers,
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), router_aux_loss_coef=coef)
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), router_aux_loss_coef=coef,
+                shared_expert_ffn_hidden_size=shared)
 
 
 def _reject_math_changes(hf: Mapping, spec: ArchitectureSpec, where: str) -> None:
@@ -266,11 +277,14 @@ def _reject_math_changes(hf: Mapping, spec: ArchitectureSpec, where: str) -> Non
     # transformers writes num_local_experts beside num_experts for Qwen3-MoE (an alias).
     for key in ("n_routed_experts",) + (() if spec.moe else ("num_experts", "num_local_experts")):
         if hf.get(key):
+            moe_types = ", ".join(sorted(t for t, s in ARCHITECTURES.items() if s.moe))
             raise ConfigError(f"{where}: {key}={hf[key]} (mixture of experts) is not supported for model_type "
-                              f"{spec.model_type!r} (supported: qwen3_moe)")
-    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+                              f"{spec.model_type!r} (supported: {moe_types})")
+    shared_keys = ("n_shared_experts",) + (() if spec.gated_shared_expert else ("shared_expert_intermediate_size",))
+    for key in shared_keys:
         if hf.get(key):
-            raise ConfigError(f"{where}: {key}={hf[key]} (shared experts) is not supported")
+            raise ConfigError(f"{where}: {key}={hf[key]} (shared experts) is not supported for model_type "
+                              f"{spec.model_type!r}")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(f"{where}: partial_rotary_factor={hf['partial_rotary_factor']} is not supported")
 

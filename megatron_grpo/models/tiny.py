@@ -10,7 +10,7 @@ import torch
 
 # Each exercises one architecture's special features: qwen2 (q/k/v bias, untied), qwen3 (q/k norm,
 # head_dim 32 != hidden/heads 16, tied), llama (llama3 rope scaling with non-default factors, untied),
-# qwen3_moe (routed experts with a dense layer between sparse ones).
+# qwen3_moe (routed experts with a dense layer between sparse ones), qwen2_moe (gated shared expert).
 TINY_CONFIGS: dict[str, dict] = {
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=250,
@@ -31,6 +31,14 @@ TINY_CONFIGS: dict[str, dict] = {
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[2], num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=250,
                       max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                      tie_word_embeddings=False),
+    # Qwen1.5-MoE's shape in small: q/k/v bias, head_dim = hidden / heads, top-4 of 8 not renormalised
+    # (norm_topk_prob false), a gated shared expert 3x an expert's width, layer 0 dense (mlp_only_layers).
+    "qwen2_moe": dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], hidden_size=64,
+                      intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=96,
+                      num_experts=8, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1,
+                      mlp_only_layers=[0], num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=250, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
                       tie_word_embeddings=False),
 }
 

@@ -21,7 +21,20 @@ from megatron_grpo.errors import ConfigError, MegatronGRPOError
 log = logging.getLogger(__name__)
 
 
+def check_sglang_model(model_dir: Path) -> None:
+    """ConfigError when SGLang's model class for this checkpoint would serve other math than ours."""
+    from megatron_grpo.models.hf_config import ModelArchitecture
+
+    model = ModelArchitecture.from_hf(model_dir)
+    if model.spec.sglang_every_layer_sparse and model.dense_layers:
+        raise ConfigError(f"rollout.engine=sglang: {model_dir}: model_type {model.architecture!r} with dense layers "
+                          f"{list(model.dense_layers)} (mlp_only_layers / decoder_sparse_step): SGLang 0.5.23's "
+                          f"{model.spec.hf_class} builds every layer sparse and skips their weights; use "
+                          f"rollout.engine=local")
+
+
 def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
+    check_sglang_model(model_dir)
     from megatron_grpo.rollout.sglang.client import SGLangClient
     from megatron_grpo.rollout.sglang.engine import EngineOptions, SGLangEngine
     from megatron_grpo.rollout.sglang.http_json import RetryPolicy
