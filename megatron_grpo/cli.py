@@ -12,6 +12,7 @@ import errno
 import importlib
 import json
 import sys
+import typing
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping, Optional, Sequence
@@ -184,6 +185,9 @@ def _config_keys(args: argparse.Namespace) -> int:
             else:
                 kind = f"a str or {describe(tp)}" if name in one_or_more else describe(tp)
                 print(f"{prefix}{name}\t{kind}\t{json.dumps(value)}")
+                item = typing.get_args(tp)[1] if typing.get_origin(tp) is dict else None
+                if dataclasses.is_dataclass(item):  # named sections (reward.models.<name>.*)
+                    walk(item, f"{prefix}{name}.<name>.")
 
     walk(Config, "")
     return 0

@@ -28,8 +28,9 @@ ALLOWED = {
     "checkpointing": {"errors", "models"},
     "convert": {"errors", "checkpointing", "launch", "models", "optional"},
     "rollout": {"errors", "convert", "launch", "optional"},
+    "reward_models": {"errors", "config", "rewards", "rollout"},
     "trainer": {"errors", "optional", "config", "algo", "data", "launch", "ops", "models", "rewards",
-                "environments", "checkpointing", "convert", "rollout"},
+                "environments", "checkpointing", "convert", "rollout", "reward_models"},
     "doctor": {"errors", "config"},
     "plan": {"errors", "config", "algo", "launch", "ops", "models", "convert", "rollout", "trainer"},
     "cli": {"errors", "config"},
@@ -43,6 +44,7 @@ FORBIDDEN = {
     "rewards": {"torch", "megatron"},
     "environments": {"torch", "megatron"},
     "rollout": {"megatron"},
+    "reward_models": {"megatron"},
     "cli": {"torch", "megatron", "transformers"},
 }
 

@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional
 
 from megatron_grpo.config.coerce import ONE_OR_MORE
 from megatron_grpo.config.off_policy import OffPolicySection
+from megatron_grpo.config.reward_models import CombineConfig, ModelScorerConfig
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -319,6 +320,11 @@ class RewardConfig:
     score_while_generating: bool = True
     format_score: float = 0.0
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    # Rewards from models beside `function` (config/reward_models.py, docs/rewards.md): reward models
+    # and LLM judges by name, each scored in-process (hf) or by SGLang servers as groups finish;
+    # empty = the rule reward alone. Not in verl under this name (verl: reward_model.*).
+    models: dict[str, ModelScorerConfig] = field(default_factory=dict)
+    combine: CombineConfig = field(default_factory=CombineConfig)  # weights of `function` ("rule") and each model
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from megatron_grpo.config.derived import overlong_cap, sampling_replay_enabled, 
 from megatron_grpo.config.model_dims import hf_config_file, model_dims
 from megatron_grpo.config.names import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, REWARD_FUNCTIONS, check_name, unknown_name
 from megatron_grpo.config.policy_clip import clip_problems
+from megatron_grpo.config.reward_model_checks import reward_model_problems
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError
 
@@ -425,6 +426,7 @@ def _reward(c: Config, out: list[str]) -> None:
         out.append(f"reward.num_workers={r.num_workers} must be >= 0 (0 = in-process)")
     if r.timeout_s <= 0:
         out.append(f"reward.timeout_s={r.timeout_s} must be > 0")
+    out.extend(reward_model_problems(r.models, r.combine))
     b = r.overlong_buffer
     if b.enable:
         cap = overlong_cap(c)

@@ -66,3 +66,23 @@ def save_tiny_hf_model(architecture: str, path: str | Path, seed: int = 0, **ove
                 param.copy_(0.08 * torch.randn_like(param))
     model.save_pretrained(str(path))
     return Path(path)
+
+
+def save_tiny_hf_reward_model(architecture: str, path: str | Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random reward model: TINY_CONFIGS[architecture] as *ForSequenceClassification with one
+    output (num_labels=1), saved as transformers saves one (its `score` head has no bias)."""
+    from transformers import AutoModelForSequenceClassification
+
+    causal = TINY_CONFIGS[architecture]["architectures"][0]
+    config = tiny_hf_config(architecture, num_labels=1,
+                            architectures=[causal.replace("ForCausalLM", "ForSequenceClassification")], **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.08 * torch.randn_like(param))
+    model.save_pretrained(str(path))
+    return Path(path)

@@ -80,10 +80,13 @@ class SampleView:
 class FailureReport:
     """Per runner: prints the first failure of each kind once, and applies max_error_frac per batch."""
 
-    def __init__(self, function: str, max_error_frac: float):
+    def __init__(self, function: str, max_error_frac: float, what: str = "reward function",
+                 failure_score: float = 0.0):
         if not 0 <= max_error_frac <= 1:
             raise ValueError(f"max_error_frac must be in [0, 1], got {max_error_frac}")
         self.function = function
+        self.what = what  # how messages name it: "reward function", or a model scorer's kind
+        self.failure_score_text = f"{failure_score:g}"  # what a failed sample scores
         self.max_error_frac = max_error_frac
         self._shown: set[str] = set()
 
@@ -96,15 +99,16 @@ class FailureReport:
         if inputs and failed / len(inputs) > self.max_error_frac:
             first = failures[0]
             raise RewardFailure(
-                f"reward function {self.function} failed on {failed} of {len(inputs)} calls "
+                f"{self.what} {self.function} failed on {failed} of {len(inputs)} calls "
                 f"({', '.join(f'{k} {v}' for k, v in counts.items() if v)}), more than reward.max_error_frac="
                 f"{self.max_error_frac:g}; first failure ({first.kind}) on {describe_input(inputs[first.index])}: "
                 f"{last_line(first.detail)}")
         for failure in failures:
             if failure.kind not in self._shown:
                 self._shown.add(failure.kind)
-                logger.warning("reward function %s: first '%s' failure (scored 0; later ones are only counted in "
-                               "reward/errors/%s), on %s:\n%s", self.function, failure.kind, failure.kind,
+                logger.warning("%s %s: first '%s' failure (scored %s; later ones are only counted in "
+                               "reward/errors/%s), on %s:\n%s", self.what, self.function, failure.kind,
+                               self.failure_score_text, failure.kind,
                                describe_input(inputs[failure.index]), failure.detail)
         metrics = {"reward/errors": float(failed), "reward/timeouts": float(counts["timeout"])}
         metrics.update({f"reward/errors/{kind}": float(count) for kind, count in counts.items()})

@@ -36,12 +36,15 @@ from megatron_grpo.rewards.loader import RewardSpec, canonical_spec, prepare_rew
 
 @dataclass(frozen=True)
 class RewardRequest:
-    """One response to score. `extra` is the record's extra_info (plus whatever the caller adds)."""
+    """One response to score. `extra` is the record's extra_info (plus whatever the caller adds);
+    `messages` the prompt's chat messages, which model scorers render with their own chat template
+    (None: `prompt` as one user message); reward functions are called without them, as before."""
 
     prompt: str
     response: str
     ground_truth: Any
     extra: dict = field(default_factory=dict)
+    messages: tuple | None = None
 
 
 @dataclass

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from megatron_grpo.data.prompts import EncodedPrompt
     from megatron_grpo.data.sampler import PromptSampler
     from megatron_grpo.models.hf_config import ModelArchitecture
+    from megatron_grpo.rewards.combined import CombinedRewards
     from megatron_grpo.rewards.runner import RewardRunner
     from megatron_grpo.rollout.engine import RolloutEngine
     from megatron_grpo.trainer.state.resume_plan import Candidate
@@ -38,7 +39,7 @@ class Rank0Parts:
     """What exists on global rank 0 only: the rollout engine, the reward workers, the prompts."""
 
     engine: RolloutEngine
-    rewards: RewardRunner
+    rewards: RewardRunner | CombinedRewards  # CombinedRewards with reward.models
     sampler: PromptSampler[EncodedPrompt]
     eval_prompts: list[EncodedPrompt] | None
 
@@ -89,7 +90,7 @@ class Run:
         return self._rank0().engine
 
     @property
-    def rewards(self) -> RewardRunner:
+    def rewards(self) -> RewardRunner | CombinedRewards:
         return self._rank0().rewards
 
     @property
@@ -281,17 +282,15 @@ def build_rank0_parts(cfg: Config, prompts: tuple[list[EncodedPrompt], list[Enco
                       model_dir: Path, device: torch.device, dtype: torch.dtype) -> Rank0Parts:
     """Rank 0: the prompt sampler, the reward runner and the rollout engine."""
     from megatron_grpo.data.sampler import PromptSampler
-    from megatron_grpo.rewards.runner import RewardRunner
+    from megatron_grpo.reward_models.build import build_rewards
     from megatron_grpo.trainer.engines.engine_setup import build_engine
 
     train_prompts, eval_prompts = prompts
     sampler = PromptSampler(train_prompts, batch_size=cfg.data.train_batch_size,
                             seed=cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed,
                             shuffle=cfg.data.shuffle)
-    rewards = RewardRunner(cfg.reward.function, num_workers=cfg.reward.num_workers,
-                           timeout_s=cfg.reward.timeout_s,  # in-process calls too (rewards/runner.py)
-                           kwargs=dict(cfg.reward.kwargs), signature=cfg.reward.signature,
-                           max_error_frac=cfg.reward.max_error_frac)
+    # reward.function alone, or combined with reward.models (their launched servers log here)
+    rewards = build_rewards(cfg.reward, Path(cfg.logging.output_dir) / "reward_models")
     try:
         engine = build_engine(cfg, model_dir, device, dtype)
     except BaseException:

@@ -41,6 +41,13 @@ What runs here is SGLang's code too, except the loop and the forward pass:
   `create_load_snapshot_writer` (shared memory on one node, as SGLang does by default), which the
   TokenizerManager's reader serves at GET /v1/loads (publish_load below); `--max-running-requests`
   caps the running requests, the rest wait, as in SGLang.
+- returned log-probs beyond the sampled token's (`top_logprobs_num`, `token_ids_logprob`) are
+  SGLang's `get_top_logprobs` / `get_token_ids_logprobs` over the same log-probs;
+- reward / classification models (SGLang's `is_generation_model` says no: *ForSequenceClassification
+  and the like) take SGLang's embedding path: `TokenizedEmbeddingReqInput` -> SGLang's `Req`,
+  `validate_input_length`, one prefill batch through SGLang's own model class for the head and
+  the LAST-token pooling over the HF body (classification.py), SGLang's `_convert_embeddings`,
+  the dummy output token and `_stream_output_embedding`: `/classify` answers what SGLang does.
 Ours: the decode loop (one HF forward per running request per step, KV cache in HF's cache),
 the CPU memory saver (releasing `weights` zeroes them: SGLang drops their contents too unless
 `--enable-weights-cpu-backup`), and a scheduler-side exception ends the server as SGLang's does
@@ -118,10 +125,20 @@ class CpuModelRunner:
         from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
         from sglang.srt.utils.weight_checker import WeightChecker
 
+        from tests.sglang_harness.classification import ClassificationModel
         from tests.sglang_harness.model import load_causal_lm, sglang_model_class
 
         self.model_config = model_config
-        self.model = load_causal_lm(server_args.model_path, model_config.dtype, sglang_model_class(model_config))
+        self.classifier = None
+        if model_config.is_generation:
+            self.model = load_causal_lm(server_args.model_path, model_config.dtype, sglang_model_class(model_config))
+        else:  # a reward / classification model: SGLang's head and pooling over the HF body (classification.py)
+            from sglang.srt.runtime_context import get_device
+
+            self.classifier = ClassificationModel(server_args.model_path, model_config,
+                                                  sglang_model_class(model_config),
+                                                  get_device().random_seed)  # the seed SGLang's TpModelWorker sets
+            self.model = self.classifier.body
         self.tp_size = server_args.tp_size
         self.weight_updater = WeightUpdater(
             tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=model_config, custom_weight_loaders={},
@@ -207,7 +224,8 @@ class CpuScheduler:
             flush_cache=self.flush_cache, is_fully_idle=self.is_fully_idle, scheduler=self)
         self.output_streamer = SchedulerOutputStreamer(
             send_to_detokenizer=self.ipc.send_to_detokenizer, tree_cache=None, server_args=server_args,
-            is_generation=True, spec_algorithm=SpeculativeAlgorithm.NONE, disaggregation_mode=self.disaggregation_mode,
+            is_generation=self.model_config.is_generation, spec_algorithm=SpeculativeAlgorithm.NONE,
+            disaggregation_mode=self.disaggregation_mode,
             enable_hicache_storage=lambda: False)
         self.dispatcher = self._build_dispatcher()
         self.generate_count = 0
@@ -235,6 +253,7 @@ class CpuScheduler:
         self.get_sampling_mask_finish_reason = processor.get_sampling_mask_finish_reason.__get__(self)
         self.add_sampling_mask_return_values = processor.add_sampling_mask_return_values.__get__(self)
         self._reject_sampling_mask_request = Scheduler._reject_sampling_mask_request.__get__(self)
+        self._convert_embeddings = processor._convert_embeddings.__get__(self)
 
     def init_info(self) -> dict[str, Any]:
         return {"status": "ready", "max_total_num_tokens": MAX_TOTAL_NUM_TOKENS,
@@ -248,6 +267,8 @@ class CpuScheduler:
         return TypeBasedDispatcher([
             (io.TokenizedGenerateReqInput, self.handle_generate_request),
             (io.BatchTokenizedGenerateReqInput, self.handle_batch_generate_request),
+            (io.TokenizedEmbeddingReqInput, self.handle_embedding_request),
+            (io.BatchTokenizedEmbeddingReqInput, self.handle_batch_embedding_request),
             (io.FlushCacheReqInput, lambda req: io.FlushCacheReqOutput(success=self.flush_cache())),
             (io.AbortReq, self.abort_request),
             (io.PauseGenerationReqInput, self.pause_generation),
@@ -306,6 +327,8 @@ class CpuScheduler:
             return False
         if (self.waiting or self.running) and "kv_cache" in self.memory_saver.paused:
             raise RuntimeError("generation while the KV cache is released (release_memory_occupation)")
+        if not self.model_config.is_generation:
+            return self._embed_waiting()
         while self.waiting and len(self.running) < self.max_running_requests:
             req = self.waiting.pop(0)
             self.running.append(Running(req))
@@ -368,9 +391,9 @@ class CpuScheduler:
             req.update_finish_state(0)
             return
         if self.faults.instant:
-            token, logprob, logits_output = self._instant_token(req)
+            token, logprob, logits_output, logprobs = self._instant_token(req)
         else:
-            token, logprob, logits_output = self._forward_and_sample(item)
+            token, logprob, logits_output, logprobs = self._forward_and_sample(item)
         # SGLang's SchedulerBatchResultProcessor.process_batch_result_decode (and _prefill) for one row:
         # an unusable sampling mask finishes the request without committing the sampled token.
         if req.return_sampling_mask:
@@ -389,8 +412,25 @@ class CpuScheduler:
         if req.return_logprob:
             req.logprob.output_token_logprobs_val.append(logprob)
             req.logprob.output_token_logprobs_idx.append(token)
+            self._add_requested_logprobs(req, logprobs)
         if req.return_sampling_mask:
             self.add_sampling_mask_return_values(0, req, logits_output)
+
+    @staticmethod
+    def _add_requested_logprobs(req, logprobs: torch.Tensor) -> None:
+        """top_logprobs_num / token_ids_logprob of one decoded position, by SGLang's own
+        get_top_logprobs / get_token_ids_logprobs over the position's log-probs (the same
+        log_softmax as the returned token's), appended as SchedulerBatchResultProcessor does."""
+        from sglang.srt.layers.logprob_processor import get_token_ids_logprobs, get_top_logprobs
+
+        if req.logprob.top_logprobs_num > 0:
+            values, indices = get_top_logprobs(logprobs, [req.logprob.top_logprobs_num])
+            req.logprob.output_top_logprobs_val.append(values[0])
+            req.logprob.output_top_logprobs_idx.append(indices[0])
+        if req.logprob.token_ids_logprob is not None:
+            values, indices = get_token_ids_logprobs(logprobs, [req.logprob.token_ids_logprob])
+            req.logprob.output_token_ids_logprobs_val.append(values[0])
+            req.logprob.output_token_ids_logprobs_idx.append(indices[0])
 
     def _instant_token(self, req):
         """HARNESS_INSTANT, no forward pass: the "model" answers EOS with certainty (log-prob 0.0), so
@@ -404,11 +444,13 @@ class CpuScheduler:
             support_rows = torch.tensor([0]) if req.sampling_logprobs_mode == "support" else None
             output.sampling_mask_output = self.sampler._build_greedy_sampling_mask_output(
                 torch.tensor([0]), torch.tensor([self.instant_token]), support_rows)
-        return self.instant_token, 0.0, output
+        logprobs = torch.full((1, self.model_config.vocab_size), -float("inf"))
+        logprobs[0, self.instant_token] = 0.0
+        return self.instant_token, 0.0, output, logprobs
 
     def _forward_and_sample(self, item: Running):
         """One HF forward of the request (its whole sequence at first, then the last token on the
-        cache) and SGLang's sampling of its next token: (token, log-prob, LogitsProcessorOutput)."""
+        cache) and SGLang's sampling of its next token: (token, log-prob, LogitsProcessorOutput, log-probs)."""
         from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
         req = item.req
@@ -430,8 +472,8 @@ class CpuScheduler:
 
     def _sample(self, logits: torch.Tensor, req, info, position: int):
         """SGLang's `Sampler.forward` (pytorch backend) for a batch of one request with its batch info
-        `info`: the token, its log-prob, and the LogitsProcessorOutput that carries the sampling mask
-        (if asked for)."""
+        `info`: the token, its log-prob, the LogitsProcessorOutput that carries the sampling mask
+        (if asked for), and the position's log-probs [1, vocab]."""
         from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 
         logits = logits.unsqueeze(0)
@@ -463,7 +505,7 @@ class CpuScheduler:
                 finally:
                     self.sampler.sampling_mask_max_tokens = cap
         token_id = int(token.view(-1)[0])
-        return token_id, float(logprobs[0, token_id]), output
+        return token_id, float(logprobs[0, token_id]), output, logprobs
 
     # ----- requests -----------------------------------------------------------------------------
     def handle_generate_request(self, recv_req) -> None:
@@ -510,6 +552,58 @@ class CpuScheduler:
     def handle_batch_generate_request(self, batch) -> None:
         for recv_req in batch:
             self.handle_generate_request(recv_req)
+
+    def handle_embedding_request(self, recv_req) -> None:
+        """SGLang's Scheduler._handle_embedding_request without multimodal inputs: the same Req."""
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.managers.utils import validate_input_length
+        from sglang.srt.runtime_context import get_serving
+
+        if self.tp_rank != 0:
+            return
+        req = Req(recv_req.rid, recv_req.input_text, recv_req.input_ids, recv_req.sampling_params,
+                  positional_embed_overrides=recv_req.positional_embed_overrides,
+                  token_type_ids=recv_req.token_type_ids, routed_dp_rank=recv_req.routed_dp_rank,
+                  priority=recv_req.priority, dimensions=recv_req.dimensions, lora_id=recv_req.lora_id,
+                  http_worker_ipc=recv_req.http_worker_ipc, time_stats=recv_req.time_stats,
+                  return_pooled_hidden_states=recv_req.return_pooled_hidden_states,
+                  multi_item_delimiter_indices=recv_req.multi_item_delimiter_indices,
+                  token_indices_to_pool=recv_req.token_indices_to_pool, decision_layout=recv_req.decision_layout)
+        req.tokenizer = self.tokenizer
+        if recv_req.mm_inputs is not None or recv_req.token_indices_to_pool is not None or \
+                recv_req.multi_item_delimiter_indices is not None:
+            raise NotImplementedError("the CPU scheduler serves plain /classify requests: no multimodal inputs, "
+                                      "token_indices_to_pool or multi-item scoring")
+        error_msg = validate_input_length(req, self.init_info()["max_req_input_len"], get_serving().allow_auto_truncate)
+        if error_msg:
+            # SGLang 0.5.23 queues such an embedding request without aborting it (its generate path
+            # aborts); what follows depends on its GPU memory pool. Here it is aborted as a generate one.
+            req.set_finish_with_abort(error_msg)
+            self.output_streamer.stream_output([req], False)
+            return
+        req.logprob_start_len = -1
+        self.waiting.append(req)
+
+    def handle_batch_embedding_request(self, batch) -> None:
+        for recv_req in batch:
+            self.handle_embedding_request(recv_req)
+
+    def _embed_waiting(self) -> bool:
+        """One prefill batch of waiting embedding requests (up to --max-running-requests): SGLang's
+        classification forward (classification.py), then its SchedulerBatchResultProcessor steps for
+        embedding batches: embeddings to lists, the dummy output token, finish, stream. Whether it ran."""
+        if not self.waiting:
+            return False
+        batch, self.waiting = self.waiting[:self.max_running_requests], self.waiting[self.max_running_requests:]
+        self.faults.before_forward()
+        result = EmbeddingResult(self.runner.classifier.embeddings([list(req.origin_input_ids) for req in batch]))
+        embeddings = self._convert_embeddings(result=result)
+        for req, embedding in zip(batch, embeddings):
+            req.embedding = embedding
+            req.output_ids.append(0)  # SGLang's "dummy output token for embedding models"
+            req.update_finish_state()
+        self.output_streamer.stream_output(batch, False)
+        return True
 
     def abort_request(self, recv_req) -> None:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
@@ -566,6 +660,13 @@ SUPPORT_CAP_FAULT = "harness_sampler_support_cap"
 def _support_cap_fault(req, cap: int) -> int:
     custom = req.sampling_params.custom_params or {}
     return int(custom[SUPPORT_CAP_FAULT]) if SUPPORT_CAP_FAULT in custom else cap
+
+
+class EmbeddingResult:
+    """What SchedulerBatchResultProcessor._convert_embeddings reads of an EmbeddingBatchResult."""
+
+    def __init__(self, embeddings: torch.Tensor):
+        self.embeddings = embeddings
 
 
 class OneRequestBatch:

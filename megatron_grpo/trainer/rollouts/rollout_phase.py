@@ -312,7 +312,8 @@ def reward_request(sample: Sample, prompt: EncodedPrompt, tokenizer) -> RewardRe
     """What the reward function sees of one sample, in training and in eval alike."""
     response = tokenizer.decode(sample.response_ids, skip_special_tokens=True)
     return RewardRequest(prompt=prompt.text, response=response, ground_truth=prompt.record.ground_truth,
-                         extra=dict(prompt.record.extra_info, data_source=prompt.record.data_source))
+                         extra=dict(prompt.record.extra_info, data_source=prompt.record.data_source),
+                         messages=tuple(prompt.record.prompt))  # model scorers render them with their template
 
 
 def _reward_stats(scores: torch.Tensor, group_ids: list[str], n: int) -> dict[str, float]:

@@ -1,0 +1,100 @@
+"""The run's reward from the recipe: reward.function alone (a RewardRunner, as before reward.models
+existed), or CombinedRewards of it and the model scorers of reward.models, each with its backend:
+in-process transformers, SGLang servers by URL, or SGLang servers launched here on its GPUs."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from megatron_grpo.config.reward_models import RULE, ModelScorerConfig
+from megatron_grpo.errors import ConfigError
+from megatron_grpo.reward_models.render import ChatRenderer
+from megatron_grpo.reward_models.scorers import JudgeScorer, RewardModelScorer
+from megatron_grpo.rewards.combined import CombinedRewards
+from megatron_grpo.rewards.runner import RewardRunner
+
+
+def build_rewards(reward, log_dir: str | Path):
+    """`reward`: the recipe's reward section. Launched servers log under log_dir/<name>."""
+    rule = None
+    if not reward.models or reward.combine.active(RULE):
+        rule = RewardRunner(reward.function, num_workers=reward.num_workers,
+                            timeout_s=reward.timeout_s,  # in-process calls too (rewards/runner.py)
+                            kwargs=dict(reward.kwargs), signature=reward.signature,
+                            max_error_frac=reward.max_error_frac)
+    if not reward.models:
+        return rule
+    scorers = []
+    try:
+        for name, cfg in reward.models.items():
+            if reward.combine.active(name):
+                scorers.append(build_scorer(name, cfg, Path(log_dir) / name))
+    except BaseException:
+        for scorer in scorers:
+            scorer.close()
+        if rule is not None:
+            rule.close()
+        raise
+    return CombinedRewards(rule, scorers, reward.combine.weight, reward.max_error_frac)
+
+
+def build_scorer(name: str, cfg: ModelScorerConfig, log_dir: Path):
+    from transformers import AutoTokenizer
+
+    key = f"reward.models.{name}"
+    tokenizer = AutoTokenizer.from_pretrained(cfg.path)
+    renderer = ChatRenderer(tokenizer, cfg.chat_template, key)
+    if cfg.backend == "hf":
+        from megatron_grpo.reward_models.hf_backend import HFBackend
+
+        backend = HFBackend(cfg.path, cfg.kind, cfg.device, cfg.dtype, key, tokenizer=tokenizer)
+    else:
+        backend = sglang_backend(key, cfg, log_dir)
+    try:
+        scorer_class = RewardModelScorer if cfg.kind == "reward_model" else JudgeScorer
+        return scorer_class(name, cfg, backend, renderer)
+    except BaseException:
+        backend.close()
+        raise
+
+
+def sglang_backend(key: str, cfg: ModelScorerConfig, log_dir: Path):
+    from megatron_grpo.reward_models.sglang_backend import SGLangBackend
+
+    s = cfg.sglang
+    api_key = None
+    if s.api_key_env:
+        api_key = os.environ.get(s.api_key_env)
+        if not api_key:
+            raise ConfigError(f"{key}.sglang.api_key_env={s.api_key_env}: that environment variable is not set")
+    launcher = launch_servers(key, cfg, api_key, log_dir) if not s.urls else None
+    urls = s.urls or [server.url for server in launcher.servers]
+    backend = SGLangBackend(urls, key=key, timeout_s=cfg.timeout_s, max_retries=s.max_retries,
+                            max_concurrency=s.max_concurrency, api_key=api_key, launcher=launcher)
+    try:
+        backend.check(want_generation=cfg.kind == "judge")
+    except BaseException:
+        backend.close()
+        raise
+    return backend
+
+
+def launch_servers(key: str, cfg: ModelScorerConfig, api_key: str | None, log_dir: Path):
+    """One server per tp_size GPUs of sglang.gpus, on this node, waited on until each serves."""
+    from megatron_grpo.rollout.sglang.launcher import ServerSettings, SGLangLauncher
+
+    s = cfg.sglang
+    command = tuple(s.launch_command) or (sys.executable, "-m", "sglang.launch_server")
+    servers = [ServerSettings(model_path=str(cfg.path), tp_size=s.tp_size, mem_fraction_static=s.mem_fraction,
+                              port=s.port + i, api_key=api_key, base_gpu_id=s.gpus[i * s.tp_size],
+                              extra_args=tuple(s.extra_args), command=command)
+               for i in range(len(s.gpus) // s.tp_size)]
+    launcher = SGLangLauncher(servers=servers, log_dir=log_dir)
+    launcher.start()
+    try:
+        launcher.wait_healthy(timeout_s=s.startup_timeout_s)
+    except BaseException:
+        launcher.shutdown(grace_s=5)
+        raise
+    return launcher
