@@ -7,6 +7,11 @@ class MegatronGRPOError(Exception):
     exit_code = 1
 
 
+# Exit codes: 0 done or stopped by a signal after a checkpoint, 1 a runtime failure, 2 a config or data
+# error, 3 a hang (the watchdog or a collective timeout; launch/watchdog.py), 130 a second Ctrl-C.
+HANG_EXIT_CODE = 3
+
+
 class ConfigError(MegatronGRPOError):
     """A recipe, override or cross-field check is wrong; raised before anything heavy starts."""
 
@@ -39,3 +44,10 @@ class MissingExtraError(MegatronGRPOError, ImportError):
 class Rank0Failure(MegatronGRPOError):
     """Global rank 0 failed with an unexpected error in work the other ranks wait on; raised on
     those ranks (rank 0 raises the original), so that no rank is left waiting in a collective."""
+
+
+class HangError(MegatronGRPOError):
+    """A rank made no progress for trainer.hang_timeout_s, or a collective timed out; the message is
+    the watchdog's summary line (launch/watchdog.py)."""
+
+    exit_code = HANG_EXIT_CODE

@@ -375,6 +375,14 @@ class TrainerConfig:
     # On CUDA, before any model is built: simulate every pipeline stage's memory on this job's GPUs
     # (megatron-grpo plan, cached per recipe and layout) and stop (exit 2) when the peak does not fit.
     memory_plan: bool = True
+    # Hang watchdog (launch/watchdog.py): a rank with no progress (phase change) for this long, or
+    # one silent that long, stops every rank with its stacks and one summary line, exit 3. Collective
+    # timeouts are set to 0.9 x this, so gloo's fire first. Fixed default, 30 min: the collective
+    # timeout this trainer always had, which the longest legitimate wait (the others waiting in a
+    # collective while rank 0 generates a long batch, or the first weight push) must fit anyway; a
+    # default from the measured step time would be too short in the first step and wrong when
+    # responses grow. Set it to a few times your slowest step to find a hang sooner.
+    hang_timeout_s: float = 1800.0
 
 
 @dataclass(frozen=True)

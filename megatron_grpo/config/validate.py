@@ -460,6 +460,8 @@ def _trainer(c: Config, out: list[str]) -> None:
                    f"round with the last)")
     if t.num_threads is not None and t.num_threads < 1:
         out.append(f"trainer.num_threads={t.num_threads} must be >= 1 or null")
+    if not t.hang_timeout_s >= 10:  # also NaN: the watchdog looks once a second
+        out.append(f"trainer.hang_timeout_s={t.hang_timeout_s} must be >= 10 (seconds)")
 
 
 def _eval(c: Config, out: list[str]) -> None:

@@ -62,8 +62,9 @@ class ParallelLayout:
         return world_size // (self.expert * self.expert_tensor_size * self.pipeline)
 
 
-def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
+def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_minutes: float = 30.0) -> None:
     """Sets up megatron's process groups over the already-initialised default group, then seeds.
+    `timeout_minutes`: their collectives' timeout (megatron annotates an int; a timedelta takes any).
 
     On CPU the compatibility layer is applied first (it must precede the RNG-tracker seeding)."""
     from megatron.core import parallel_state
@@ -83,6 +84,7 @@ def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
         context_parallel_size=layout.context,
         expert_model_parallel_size=layout.expert,
         expert_tensor_parallel_size=layout.expert_tensor,
+        distributed_timeout_minutes=timeout_minutes,
     )
     set_seed(seed)
 

@@ -12,8 +12,10 @@ With rollout.max_staleness = K > 0 the rollout of the next steps runs during the
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,8 @@ from megatron_grpo.config.derived import overlong_cap, sampling_replay_enabled
 from megatron_grpo.config.schema import Config
 from megatron_grpo.config.validate import PENALISED_FILTER_METRICS
 from megatron_grpo.errors import RolloutFailure
-from megatron_grpo.launch.collectives import agree, attempt_on_rank0, on_rank0, rank0_only
+from megatron_grpo.launch.collectives import agree, attempt_on_rank0, broadcast_from_rank0, on_rank0, rank0_only
+from megatron_grpo.launch.watchdog import HangWatchdog, is_collective_timeout
 from megatron_grpo.rewards.overlong import OverlongPenalty
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.trainer.batches.batching import MicroBatch
@@ -55,7 +58,9 @@ def train(cfg: Config) -> Path:
     checkpoints, stop = Checkpointer(run), StopSignals().install()
     logger = NullLogger()
     pipeline = None
+    watchdog = start_watchdog(out, cfg.trainer.hang_timeout_s)
     try:
+        watchdog.phase("resume", 0)
         start = resume(run, checkpoints)  # newest complete checkpoint (checkpoint.resume); 0 = fresh
         preflight = check_before_training(run, version=start) if cfg.trainer.preflight else {}
         sinks = SinkOptions(output_dir=str(out), console=cfg.logging.console, tensorboard=cfg.logging.tensorboard,
@@ -71,22 +76,30 @@ def train(cfg: Config) -> Path:
                                        max_staleness=cfg.rollout.max_staleness).start()
         for step in range(start + 1, run.total_steps + 1):
             try:
-                metrics = grpo_step(run, step, pipeline)
+                metrics = grpo_step(run, step, pipeline, phase=watchdog.phase)
             except RolloutFailure:
                 if step - 1 > start and not checkpoints.due(step - 1):
                     checkpoints.save(step - 1)  # keep the finished steps, then fail cleanly
                 raise
             if cfg.eval.interval > 0 and (step % cfg.eval.interval == 0 or step == run.total_steps):
+                watchdog.phase("eval", step)
                 with pipeline.paused() if pipeline is not None else contextlib.nullcontext():
                     metrics.update(evaluate_policy(run))
+            watchdog.phase("metrics", step)
             logger.log(step, metrics)
             stopping = stop.requested()  # SIGTERM / SIGUSR1 on any rank; every rank agrees
             if checkpoints.due(step) or stopping:
+                watchdog.phase("save", step)
                 checkpoints.save(step)
             if stopping:
                 logger.message(f"stopped by {stop.name} after step {step}; checkpoint {checkpoints.last_saved}")
                 break
+    except Exception as exc:
+        if is_collective_timeout(exc):  # reported as the watchdog reports a hang, exit 3
+            watchdog.report(f"a collective timed out ({str(exc).strip().splitlines()[0][:200]})")
+        raise
     finally:
+        watchdog.stop()
         if pipeline is not None:
             pipeline.close()  # before the engine it generates with
         stop.uninstall()
@@ -99,17 +112,20 @@ def train(cfg: Config) -> Path:
     return out
 
 
-def grpo_step(run: Run, step: int, pipeline: RolloutPipeline | None = None) -> dict[str, float]:
-    """One step; with `pipeline` (rank 0, asynchronous rollouts) its batch was generated ahead."""
+def grpo_step(run: Run, step: int, pipeline: RolloutPipeline | None = None,
+              phase: Callable[..., None] = lambda *_: None) -> dict[str, float]:
+    """One step; with `pipeline` (rank 0, asynchronous rollouts) its batch was generated ahead.
+    `phase(name, step, detail)` at each phase change: the hang watchdog's heartbeat."""
     cfg = run.config
     timer = PhaseTimer()
     step_start = time.perf_counter()
+    phase("rollout", step)
 
     # 1. rollout + rewards + advantages on rank 0 (or the pipeline's batch); every rank gets the batch.
     with timer("rollout"):
         # token ids and floats (small) to every rank; rank 0's failure (e.g. every SGLang server
         # gone) stops all of them as a RolloutFailure, which the loop checkpoints before
-        outcome = agree(attempt_on_rank0(_rollout_batch, run, step, pipeline) if run.is_main else None)
+        outcome = agree(attempt_on_rank0(_rollout_batch, run, step, pipeline, phase) if run.is_main else None)
         if outcome.error is not None:
             raise RolloutFailure(str(outcome.error))
         batch = outcome.value
@@ -118,6 +134,7 @@ def grpo_step(run: Run, step: int, pipeline: RolloutPipeline | None = None) -> d
 
     # 2. old / reference log-probs (forward only, each pass with its own token budget) on the
     # samples of this data-parallel rank's share.
+    phase("logprob", step)
     with timer("logprob"):
         measured = first_mini_batch_has_old_pass(cfg, step)
         # the KL in the reward reads every sample's old log-probs before the first update
@@ -147,13 +164,19 @@ def grpo_step(run: Run, step: int, pipeline: RolloutPipeline | None = None) -> d
     with timer("train"):
         updates = []
         for epoch in range(cfg.actor.ppo_epochs):
-            for micro_batches in mini_batches:
+            for m, micro_batches in enumerate(mini_batches):
+                where = f"epoch {epoch + 1}, mini-batch {m + 1}/{len(mini_batches)}"
+
+                def progress(k, n, where=where):
+                    phase("train", step, f"{where}, micro-batch {k}/{n}")
+
+                phase("train", step, where)
                 updates.append(train_on_mini_batch(
                     run.policy, run.optimizer, micro_batches, loss_config=loss_config,
                     batch_info=global_batch_info(micro_batches, cfg),
                     temperature=cfg.rollout.temperature, vocab_size=run.model_config.vocab_size,
                     device=run.device, need_entropy=True, sample_staleness=staleness,
-                    mismatch=mismatch if epoch == 0 else None))
+                    mismatch=mismatch if epoch == 0 else None, progress=progress))
         run.scheduler.step(1)
     metrics.update(_mean_over_updates(updates))
     metrics.update(mismatch.reduce(contributes=holds_distinct_tokens()))
@@ -164,6 +187,7 @@ def grpo_step(run: Run, step: int, pipeline: RolloutPipeline | None = None) -> d
     metrics["actor/lr"] = run.optimizer.param_groups[0]["lr"]
 
     # 5. new weights to the rollout engine.
+    phase("sync", step)
     with timer("sync"):
         metrics.update(sync_weights(run, version=step))
     if pipeline is not None:
@@ -181,12 +205,37 @@ def grpo_step(run: Run, step: int, pipeline: RolloutPipeline | None = None) -> d
     return metrics
 
 
-def _rollout_batch(run: Run, step: int, pipeline: RolloutPipeline | None):
+def _rollout_batch(run: Run, step: int, pipeline: RolloutPipeline | None, phase: Callable[..., None]):
     """Rank 0: this step's batch, from the pipeline (asynchronous) or generated now."""
     if pipeline is not None:
         return pipeline.next_batch(step)
-    return collect_rollout_batch(run.engine, lambda: next(run.sampler), run.tokenizer, run.rewards,
+    return collect_rollout_batch(run.engine, lambda: next(run.sampler), run.tokenizer,
+                                 PhasedRewards(run.rewards, lambda name: phase(name, step)),
                                  rollout_settings(run.config), step, run.config.data.train_batch_size)
+
+
+class PhasedRewards:
+    """The reward runner, telling the heartbeat when a batch is scored after its generation."""
+
+    def __init__(self, runner, phase: Callable[[str], None]):
+        self._runner, self._phase = runner, phase
+
+    def score(self, requests):
+        self._phase("reward")
+        try:
+            return self._runner.score(requests)
+        finally:
+            self._phase("rollout")
+
+    def __getattr__(self, name):  # stream() and the rest, unchanged
+        return getattr(self._runner, name)
+
+
+def start_watchdog(out: Path, timeout_s: float) -> HangWatchdog:
+    """Collective: every rank's watchdog over the heartbeats of this life of the run (its name from rank 0)."""
+    life = broadcast_from_rank0(time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+    return HangWatchdog(out / "heartbeats" / life, out / "hangs" / life, dist.get_rank(), dist.get_world_size(),
+                        timeout_s).start()
 
 
 def rollout_settings(cfg: Config) -> RolloutSettings:

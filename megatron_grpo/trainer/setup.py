@@ -165,12 +165,16 @@ def build_run(cfg: Config) -> Run:
     from megatron_grpo.trainer.sync.stage_sync import connect_stage_sync
     from megatron_grpo.trainer.assembly.update_guard import NonFiniteUpdateGuard
 
-    init_distributed()
+    from megatron_grpo.launch.watchdog import collective_timeout_s
+
+    # below the hang watchdog's timeout, so that a collective with a stopped peer raises first (gloo)
+    timeout_minutes = collective_timeout_s(cfg.trainer.hang_timeout_s) / 60
+    init_distributed(timeout_minutes=timeout_minutes)
     layout = ParallelLayout(tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
                             virtual_pipeline=cfg.parallel.virtual_pipeline, context=cfg.parallel.context,
                             sequence_parallel=cfg.parallel.sequence_parallel, expert=cfg.parallel.expert,
                             expert_tensor=cfg.parallel.expert_tensor)
-    initialize_model_parallel(layout, seed=cfg.trainer.seed)
+    initialize_model_parallel(layout, seed=cfg.trainer.seed, timeout_minutes=timeout_minutes)
     device, dtype = resolve_device(cfg)
     if device.type == "cuda" and cfg.trainer.memory_plan:  # refuse a layout that cannot fit, before any GPU work
         from megatron_grpo.trainer.assembly.memory_check import check_memory_plan

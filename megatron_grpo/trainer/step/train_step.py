@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -168,8 +169,10 @@ def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch]
                         batch_info: GlobalBatchInfo, temperature: float, vocab_size: int,
                         device: torch.device, need_entropy: bool,
                         sample_staleness: list[int] | None = None,
-                        mismatch: MismatchHealth | None = None) -> dict[str, float]:
-    """forward_backward over this rank's micro-batches, then one optimizer step.
+                        mismatch: MismatchHealth | None = None,
+                        progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
+    """forward_backward over this rank's micro-batches, then one optimizer step; `progress(k, n)`
+    after micro-batch k of n has its loss (the hang watchdog's heartbeat).
 
     Returns mini-batch metrics (identical on every rank): loss terms and actor metrics summed over
     micro-batches and ranks (they are additive shares), grad norm, and whether the update was
@@ -187,7 +190,12 @@ def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch]
     needs_rollout = bool(loss_config.policy_clip.tis_cap) or off_policy.weighted or \
         off_policy.objective == "behaviour"
 
+    done = [0]
+
     def loss_func(micro_batch: MicroBatch, logits: torch.Tensor):
+        if progress is not None:
+            done[0] += 1
+            progress(done[0], len(micro_batches))
         logp, entropy = token_logprobs_and_entropy(micro_batch, logits, temperature=temperature,
                                                    vocab_size=vocab_size)
         # The loss sees one row per sequence in either layout (packed rows are unpacked here:
