@@ -28,7 +28,7 @@ ALLOWED = {
     "checkpointing": {"errors", "models"},
     "convert": {"errors", "checkpointing", "launch", "models", "optional"},
     "rollout": {"errors", "convert", "launch", "optional"},
-    "reward_models": {"errors", "config", "rewards", "rollout"},
+    "reward_models": {"errors", "config", "data", "rewards", "rollout"},
     "trainer": {"errors", "optional", "config", "algo", "data", "launch", "ops", "models", "rewards",
                 "environments", "checkpointing", "convert", "rollout", "reward_models"},
     "doctor": {"errors", "config"},

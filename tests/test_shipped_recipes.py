@@ -69,6 +69,7 @@ LOCAL_RECIPES = {
     "tiny_cpu": "tests/test_trainer_e2e.py::test_tiny_recipe_learns",
     "tiny_cpu_moe": "tests/test_moe_train_e2e.py::test_moe_recipe_trains_at_ep2_with_routing_replay",
     "tiny_cpu_tool": "tests/test_multi_turn.py::test_trainer_logprobs_equal_the_engines_over_multi_turn_trajectories",
+    "tiny_cpu_rm": "tests/test_reward_models.py::test_tiny_rm_recipe_learns_the_preferred_property",
 }
 DEFAULTS_ONLY = {"base"}  # merged into others, never run alone
 # Cluster recipes whose CpuShrink run is another test's: the 8B recipe's is the sbatch test, which

@@ -43,7 +43,11 @@ def build_scorer(name: str, cfg: ModelScorerConfig, log_dir: Path):
     from transformers import AutoTokenizer
 
     key = f"reward.models.{name}"
-    tokenizer = AutoTokenizer.from_pretrained(cfg.path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.path)
+    except (OSError, ValueError) as exc:  # not a folder here, and not a hub id this machine can fetch
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{key}.path={cfg.path!r}: cannot load the model's tokenizer ({first})") from None
     renderer = ChatRenderer(tokenizer, cfg.chat_template, key)
     if cfg.backend == "hf":
         from megatron_grpo.reward_models.hf_backend import HFBackend

@@ -28,3 +28,14 @@ def reward(prompt: str, response: str, ground_truth: Any, extra: dict | None = N
     target = str(ground_truth)
     answer = answer_digits(response)
     return {"score": score_digits(answer, target), "exact": float(answer == target)}
+
+
+def leading_zero(prompt: str, response: str, ground_truth: Any, extra: dict | None = None) -> dict[str, float]:
+    """recipes/tiny_cpu_rm.yaml's probe: whether the answer starts with the digit 0, the property its
+    reward model was trained to prefer (reward_models/tiny_rm.py), reported as reward/leading_zero.
+    It scores 0: the reward is the reward model's; this only shows what the policy learned."""
+    return {"score": 0.0, "leading_zero": float(has_leading_zero(response))}
+
+
+def has_leading_zero(response: str) -> bool:
+    return response.startswith("0")
