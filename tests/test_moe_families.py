@@ -6,6 +6,9 @@ step at EP2 equal to one process (tests/first_step.py).
 
   qwen2_moe  q/k/v bias, top-4 of 8 not renormalised, a shared expert gated by
              sigmoid(shared_expert_gate(x)), layer 0 dense (mlp_only_layers)
+  glm4_moe   q/k/v bias, q/k norm, RoPE on half of each head, layer 0 dense (first_k_dense_replace),
+             16 sigmoid-routed experts with a random e_score_correction_bias, top-4 within the best 2
+             of 4 groups, routed_scaling_factor 2.5, one ungated shared expert
 
 Logit tolerance: tests/test_moe_models.py's (1e-5 of the largest logit; fp32 rounding over
 different reduction orders is a few eps times a depth factor). Layouts run by hand beyond the
@@ -27,7 +30,7 @@ from megatron_grpo.testing.distributed import run_distributed
 from tests.first_step import compare_updates, first_step, relative_difference, uneven_samples
 from tests.test_moe_models import TOLERANCE, _logits_and_export, _tokens
 
-FAMILIES = ("qwen2_moe",)
+FAMILIES = ("qwen2_moe", "glm4_moe")
 
 
 # ---- config parsing ---------------------------------------------------------------------------
@@ -59,6 +62,45 @@ def test_dense_and_qwen3_moe_refuse_a_shared_expert():
     with pytest.raises(ConfigError, match="shared_expert_intermediate_size=64 .shared experts. is not supported "
                                           "for model_type 'qwen3_moe'"):
         ModelArchitecture.from_hf(dict(TINY_CONFIGS["qwen3_moe"], shared_expert_intermediate_size=64))
+
+
+def test_glm4_moe_config_fields():
+    cfg = ModelArchitecture.from_hf(dict(TINY_CONFIGS["glm4_moe"], num_nextn_predict_layers=1), vocab_multiple=8)
+    sizes = (cfg.num_experts, cfg.moe_top_k, cfg.moe_ffn_hidden_size, cfg.shared_expert_ffn_hidden_size)
+    assert sizes == (16, 4, 16, 16)
+    assert cfg.moe_layers == (1, 2, 3) and cfg.qkv_bias and cfg.qk_norm and not cfg.shared_expert_gate
+    router = (cfg.router_score_function, cfg.expert_bias, cfg.moe_num_groups, cfg.moe_group_topk)
+    assert router == ("sigmoid", True, 4, 2)
+    assert (cfg.routed_scaling_factor, cfg.rotary_percent, cfg.rotary_dim, cfg.mtp_layers) == (2.5, 0.5, 16, 1)
+    assert ModelArchitecture.from_dict(cfg.to_dict()) == cfg
+    # transformers' default for GLM-4.5 when the config has no partial_rotary_factor is 0.5
+    fields = {k: v for k, v in TINY_CONFIGS["glm4_moe"].items() if k != "partial_rotary_factor"}
+    assert ModelArchitecture.from_hf(fields).rotary_percent == 0.5
+    no_groups = ModelArchitecture.from_hf(dict(TINY_CONFIGS["glm4_moe"], n_group=1, topk_group=1))
+    assert (no_groups.moe_num_groups, no_groups.moe_group_topk) == (0, 0)
+    plain = ModelArchitecture.from_hf(dict(TINY_CONFIGS["glm4_moe"], attention_bias=False, use_qk_norm=False))
+    assert not plain.qkv_bias and not plain.qk_norm
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(n_routed_experts=None), "required key 'n_routed_experts' is missing"),
+    (dict(norm_topk_prob=False), "norm_topk_prob=false with the sigmoid router is not supported"),
+    (dict(topk_group=1), "n_group=4 with num_experts_per_tok=4 / topk_group=1 != 2 is not supported"),
+    (dict(n_group=3), "n_group=3 / topk_group=2 do not split 16 experts"),
+    (dict(first_k_dense_replace=4), "first_k_dense_replace=4 must be in"),
+    (dict(partial_rotary_factor=0.3), "partial_rotary_factor=0.3 gives 9 rotary dims"),
+    (dict(num_experts=16), "num_experts=16 .mixture of experts. is not supported for model_type 'glm4_moe'"),
+    (dict(shared_expert_intermediate_size=8), "shared_expert_intermediate_size=8 .shared experts. is not supported"),
+    (dict(topk_method="greedy"), "topk_method='greedy' is not supported"),
+])
+def test_glm4_moe_refusals_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelArchitecture.from_hf(dict(TINY_CONFIGS["glm4_moe"], **overrides))
+
+
+def test_partial_rotary_refused_where_the_model_has_none():
+    with pytest.raises(ConfigError, match="partial_rotary_factor=0.5 is not supported for model_type 'qwen3'"):
+        ModelArchitecture.from_hf(dict(TINY_CONFIGS["qwen3"], partial_rotary_factor=0.5))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -112,6 +154,44 @@ def test_logits_match_hf_and_export_is_bitwise(hf_family, tp, pp, ep, etp):
     assert not different, f"HF -> Megatron -> HF changed {different[:5]}"
 
 
+@pytest.mark.slow
+def test_convert_tools_keep_the_expert_bias(tmp_path):
+    """glm4_moe's expert bias is a buffer, not a parameter: hf-to-megatron at EP2 (2 ranks), back to HF
+    at EP1 and at EP2 x TP2: both folders hold the original tensors, the bias included, bit for bit."""
+    from tests.test_moe_models import _cli, _same_safetensors
+
+    path = str(save_tiny_hf_model("glm4_moe", tmp_path / "hf", seed=0))
+    ckpt = str(tmp_path / "mcore")
+    assert run_distributed(_cli, 2, args=(["hf-to-megatron", "--hf", path, "--out", ckpt, "--ep", "2"],),
+                           timeout=300)[0] == 0
+    single, spread = tmp_path / "hf_ep1", tmp_path / "hf_ep2tp2"
+    assert run_distributed(_cli, 1, args=(["megatron-to-hf", "--ckpt", ckpt, "--out", str(single)],),
+                           timeout=300)[0] == 0
+    assert run_distributed(_cli, 4, args=(["megatron-to-hf", "--ckpt", ckpt, "--out", str(spread), "--ep", "2",
+                                           "--tp", "2", "--etp", "1"],), timeout=300)[0] == 0
+    assert _same_safetensors(path, single) == [] and _same_safetensors(path, spread) == []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_local_engine_takes_every_tensor(family, tmp_path):
+    """The local engine (transformers 5: fused experts; GLM-4.5's router bias a buffer) loads the
+    checkpoint's HF names, each one landing: every parameter and persistent buffer is rewritten."""
+    from safetensors.torch import load_file
+
+    from megatron_grpo.rollout.local import LocalEngine
+    from tests.tiny_hf import char_tokenizer
+
+    path = save_tiny_hf_model(family, tmp_path / "hf", seed=0)
+    char_tokenizer().save_pretrained(path)
+    engine = LocalEngine.from_pretrained(str(path))
+    doubled = {name: 2 * tensor for name, tensor in load_file(f"{path}/model.safetensors").items()}
+    assert engine.load_weights(doubled.items(), version=2).missing == []
+    state = engine.model.state_dict()
+    assert all(torch.equal(state[name], doubled[name]) for name in doubled if name in state)
+    assert all(torch.equal(state[name], 2 * load_file(f"{path}/model.safetensors")[name])
+               for name in state if name.endswith("e_score_correction_bias"))
+
+
 # ---- the exported stream into SGLang's own model class ------------------------------------------
 def _export_stream(rank, world_size, path, out_file, ep):
     from safetensors.torch import save_file
@@ -150,7 +230,7 @@ def _loaded_in_full(report: dict, name: str, size: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, overrides", [("qwen2_moe", dict(mlp_only_layers=[]))])
+@pytest.mark.parametrize("family, overrides", [("qwen2_moe", dict(mlp_only_layers=[])), ("glm4_moe", {})])
 def test_exported_stream_is_what_sglang_loads(family, overrides, tmp_path):
     """The HF-named stream gathered at EP2, fed one tensor at a time to SGLang's own load_weights:
     every tensor overwrites exactly its size in SGLang's (renamed, stacked, fused) parameters (the
@@ -199,11 +279,13 @@ METRICS = ("actor/loss", "actor/pg_loss", "actor/entropy", "actor/grad_norm")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_first_grpo_step_at_ep2_equals_single_process(family, tmp_path):
     policy = str(save_tiny_hf_model(family, tmp_path / "policy", seed=3))
-    samples = uneven_samples(16, TINY_CONFIGS[family]["vocab_size"])
-    single = run_distributed(first_step, 1, args=(policy, {}, samples), timeout=300)[0]
-    metrics, weights = run_distributed(first_step, 2, args=(policy, dict(expert=2), samples), timeout=600)[0]
+    # 32 sequences (4 prompts x 8): with 16, one of glm4_moe's 16 experts got no token and no update
+    samples, n8 = uneven_samples(32, TINY_CONFIGS[family]["vocab_size"]), ("rollout.n=8",)
+    single = run_distributed(first_step, 1, args=(policy, {}, samples, n8), timeout=300)[0]
+    metrics, weights = run_distributed(first_step, 2, args=(policy, dict(expert=2), samples, n8), timeout=600)[0]
     worst = {key: relative_difference(metrics[key], single[0][key]) for key in METRICS}
-    update_worst, allowed = compare_updates(policy, weights, single[1], TOLERANCE)
+    update_worst, allowed = compare_updates(policy, weights, single[1], TOLERANCE,
+                                            frozen=("e_score_correction_bias",))  # the frozen expert bias
     worst.update(update_worst)
     print(family, {k: f"{v:.1e}" for k, v in sorted(worst.items(), key=lambda kv: -kv[1])[:5]})
     bad = {k: v for k, v in worst.items() if v > allowed.get(k, TOLERANCE)}
@@ -212,21 +294,60 @@ def test_first_grpo_step_at_ep2_equals_single_process(family, tmp_path):
 
 # ---- routing replay (R3) ------------------------------------------------------------------------
 @pytest.mark.slow
-def test_qwen2_moe_routing_replay(tmp_path):
-    """tests/test_moe_replay.py's check on qwen2_moe (softmax router, no renormalisation, shared expert):
-    the local engine's recorded routes replayed by the trainer close the routing part of the
-    engine-vs-trainer gap that a perturbed router opens. Measured: 2.9e-7 unperturbed (either way),
-    1.0e-3 perturbed, 3.5e-4 perturbed with replay: a ratio of 2.9, not Qwen3-MoE's ~18, since a
-    flip here swaps the 4th of 4 unrenormalised experts (weight ~ its softmax probability, small)
-    and the shared expert is never routed; the test asks for 2."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_routing_replay(family, tmp_path):
+    """tests/test_moe_replay.py's check on these routers: the local engine's recorded routes replayed
+    by the trainer (the engine's expert indices, the trainer's own gate weights: softmax, or sigmoid
+    scores normalised and scaled; the expert bias only chooses) close the routing part of the
+    engine-vs-trainer gap that a perturbed router opens. Measured (gap unperturbed / perturbed /
+    perturbed with replay): qwen2_moe 2.9e-7 / 1.0e-3 / 3.5e-4, glm4_moe 2.4e-7 / 1.2e-2 / 3.7e-4. The
+    ratio is lower than Qwen3-MoE's ~18: qwen2_moe's flips swap the 4th of 4 unrenormalised experts
+    (a small weight), and shared experts are never routed; the test asks for 2."""
     from tests.test_moe_replay import _engine_samples, _gaps
 
-    path = str(save_tiny_hf_model("qwen2_moe", tmp_path / "hf", seed=1))
+    from tests.tiny_hf import char_tokenizer
+
+    path = str(save_tiny_hf_model(family, tmp_path / "hf", seed=1))
+    char_tokenizer().save_pretrained(path)  # the engine loads one; the routes do not depend on it
     _, samples = _engine_samples(path)
     routes = samples[0].routed_experts
-    assert routes.shape[1:] == (4, 4) and (routes[:, 0] == -1).all() and (routes[:, 1:] >= 0).all()
+    assert routes.shape[1:] == (4, 4) and (routes[:, 0] == -1).all() and (routes[:, 1:] >= 0).all()  # layer 0 dense
     gaps = run_distributed(_gaps, 1, args=(path, samples), timeout=300)[0]
-    print({k: f"{v:.2e}" for k, v in gaps.items()})
+    print(family, {k: f"{v:.2e}" for k, v in gaps.items()})
     assert gaps["same"] < 1e-5 and gaps["same_replay"] < 1e-5
     assert gaps["perturbed"] > 2 * gaps["perturbed_replay"]
     assert gaps["perturbed_replay"] > 10 * gaps["same"]
+
+
+# ---- multi-token-prediction layers are dropped on import ------------------------------------------
+def _load_and_export(rank, world_size, path):
+    from megatron_grpo.convert import load_hf_weights
+    from megatron_grpo.convert.export import gather_hf_weights_on_rank0
+    from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
+    from megatron_grpo.models import build_reference_model
+
+    initialize_model_parallel(ParallelLayout())
+    cfg = ModelArchitecture.from_hf(path, vocab_multiple=8)
+    chunks = build_reference_model(cfg)
+    load_hf_weights(chunks, cfg, path)
+    return {name: tensor.clone() for name, tensor in gather_hf_weights_on_rank0(chunks, cfg)}
+
+
+def test_glm4_moe_mtp_layer_is_dropped_on_import(tmp_path):
+    """A GLM-4.5 checkpoint holds its MTP layer as model.layers.{num_hidden_layers}.*
+    (num_nextn_predict_layers 1): import skips it with a note; export writes the rest bitwise."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_tiny_hf_model("glm4_moe", tmp_path / "hf", seed=0)
+    tensors = load_file(f"{path}/model.safetensors")
+    mtp = {"model.layers.4.eh_proj.weight": torch.randn(64, 128), "model.layers.4.enorm.weight": torch.ones(64),
+           "model.layers.4.mlp.experts.0.up_proj.weight": torch.randn(16, 64)}
+    save_file(dict(tensors, **mtp), f"{path}/model.safetensors", metadata={"format": "pt"})
+    exported = run_distributed(_load_and_export, 1, args=(str(path),), timeout=300)[0]
+    assert sorted(exported) == sorted(tensors)
+    assert all(torch.equal(exported[name], tensors[name]) for name in tensors)
+    # a layer past the MTP layers is not skipped: the folder is refused, naming it
+    save_file(dict(tensors, **{"model.layers.5.eh_proj.weight": torch.ones(2)}), f"{path}/model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(Exception, match=r"unexpected \[model.layers.5.eh_proj.weight\]"):
+        run_distributed(_load_and_export, 1, args=(str(path),), timeout=300)

@@ -3,16 +3,19 @@
 Collective-free: every rank reads only the slices of the tensors it owns."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from megatron_grpo.convert.hf_io import HFCheckpoint
-from megatron_grpo.convert.mappings import IGNORED_WHEN_TIED, bind, expected_hf_tensors
+from megatron_grpo.convert.mappings import IGNORED_WHEN_TIED, bind, expected_hf_tensors, ignored_hf_tensors
 from megatron_grpo.errors import CheckpointError
 from megatron_grpo.models.builder import unwrap
 from megatron_grpo.models.hf_config import ModelArchitecture, load_hf_config_dict
+
+log = logging.getLogger(__name__)
 
 
 def check_hf_config_matches(cfg: ModelArchitecture, hf_dir: str | Path) -> None:
@@ -34,7 +37,13 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], cfg: ModelArchitect
     check_hf_config_matches(cfg, hf_dir)
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     with HFCheckpoint(hf_dir) as ckpt:
-        ckpt.validate(expected_hf_tensors(cfg), ignored=IGNORED_WHEN_TIED if cfg.tie_word_embeddings else ())
+        ignored = ignored_hf_tensors(cfg, ckpt.names())
+        ckpt.validate(expected_hf_tensors(cfg), ignored=ignored)
+        mtp = [name for name in ignored if name not in IGNORED_WHEN_TIED]
+        if mtp:
+            log.info("%s: %d tensors of %d multi-token-prediction layer(s) (model.layers.%d+) not loaded: MTP is "
+                     "not trained here, and export does not write them", hf_dir, len(mtp), cfg.mtp_layers,
+                     cfg.num_layers)
         bound = [b for chunk in model_chunks for b in bind(unwrap(chunk), cfg)]
         iterator = bound
         if progress:

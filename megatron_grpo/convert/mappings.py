@@ -6,7 +6,7 @@ side (megatron numbers layers per chunk; TransformerLayer.layer_number is the gl
 A rule lists Megatron name alternatives: the local spec name first, then Transformer Engine's
 (TE fuses the pre-attention / pre-MLP norms into linear_qkv / linear_fc1).
 
-MoE layers (qwen3_moe, qwen2_moe): the router (HF mlp.gate) and one gate/up/down triple per expert under
+MoE layers (qwen3_moe, qwen2_moe, glm4_moe): the router (HF mlp.gate) and one gate/up/down triple per expert under
 "{expert}": the chunk-local expert index on the Megatron side (SequentialMLP's local_experts.{e},
 TE grouped GEMM's weight{e}), the global one on the HF side (EP rank r holds experts
 r * E/EP .. (r+1) * E/EP - 1). Expert tensors are split over the expert tensor-parallel group
@@ -118,6 +118,19 @@ SHARED_DOWN = Rule((_S + "linear_fc2.weight",), (_H + "mlp.shared_expert.down_pr
 SHARED_GATE = Rule((_S + "gate_weight",), (_H + "mlp.shared_expert_gate.weight",), Replicated(),
                    lambda c: ((1, c.hidden_size),), "layer", layers="moe")
 QKV_BIAS_IF_SET = dataclasses.replace(QKV_BIAS, when=lambda c: c.qkv_bias)
+Q_NORM_IF_SET = dataclasses.replace(Q_NORM, when=lambda c: c.qk_norm)
+K_NORM_IF_SET = dataclasses.replace(K_NORM, when=lambda c: c.qk_norm)
+# GLM-4.5 / DeepSeek-V3: the router's expert bias (a buffer on both sides, models/builder.py's
+# install_frozen_expert_bias) and n_shared_experts ungated shared experts (HF: mlp.shared_experts).
+EXPERT_BIAS = Rule((_L + "mlp.router.expert_bias",), (_H + "mlp.gate.e_score_correction_bias",), Replicated(),
+                   lambda c: ((c.num_experts,),), "layer", layers="moe")
+SHARED_EXPERTS_GATE_UP = Rule((_S + "linear_fc1.weight",), (_H + "mlp.shared_experts.gate_proj.weight",
+                                                            _H + "mlp.shared_experts.up_proj.weight"),
+                              FusedGateUp(), lambda c: ((c.shared_expert_ffn_hidden_size, c.hidden_size),) * 2,
+                              "layer", layers="moe", when=lambda c: c.shared_expert_ffn_hidden_size > 0)
+SHARED_EXPERTS_DOWN = Rule((_S + "linear_fc2.weight",), (_H + "mlp.shared_experts.down_proj.weight",), Split(dim=1),
+                           lambda c: ((c.hidden_size, c.shared_expert_ffn_hidden_size),), "layer", layers="moe",
+                           when=lambda c: c.shared_expert_ffn_hidden_size > 0)
 
 MAPPINGS: dict[str, tuple[Rule, ...]] = {
     "llama": (EMBEDDING, INPUT_NORM, QKV, O_PROJ, POST_ATTN_NORM, GATE_UP, DOWN, FINAL_NORM, OUTPUT, TIED_OUTPUT),
@@ -130,10 +143,22 @@ MAPPINGS: dict[str, tuple[Rule, ...]] = {
     "qwen2_moe": (EMBEDDING, INPUT_NORM, QKV, QKV_BIAS_IF_SET, O_PROJ, POST_ATTN_NORM, GATE_UP, DOWN, ROUTER,
                   EXPERT_GATE_UP, EXPERT_DOWN, SHARED_GATE_UP, SHARED_DOWN, SHARED_GATE, FINAL_NORM, OUTPUT,
                   TIED_OUTPUT),
+    "glm4_moe": (EMBEDDING, INPUT_NORM, QKV, QKV_BIAS_IF_SET, Q_NORM_IF_SET, K_NORM_IF_SET, O_PROJ, POST_ATTN_NORM,
+                 GATE_UP, DOWN, ROUTER, EXPERT_BIAS, EXPERT_GATE_UP, EXPERT_DOWN, SHARED_EXPERTS_GATE_UP,
+                 SHARED_EXPERTS_DOWN, FINAL_NORM, OUTPUT, TIED_OUTPUT),
 }
 
 # HF files of tied models sometimes still carry the (identical) lm_head; we accept and ignore it.
 IGNORED_WHEN_TIED = ("lm_head.weight",)
+
+
+def ignored_hf_tensors(cfg: ModelArchitecture, present) -> tuple[str, ...]:
+    """Tensors of an HF checkpoint that import skips: a tied model's lm_head copy, and the
+    multi-token-prediction layers (model.layers.{num_layers + i}.*, GLM-4.5 / DeepSeek-V3), which
+    are not trained here (their names are not written back on export)."""
+    ignored = list(IGNORED_WHEN_TIED) if cfg.tie_word_embeddings else []
+    mtp = tuple(f"model.layers.{cfg.num_layers + i}." for i in range(cfg.mtp_layers))
+    return tuple(ignored + [name for name in present if mtp and name.startswith(mtp)])
 
 
 def rules_for(cfg: ModelArchitecture) -> tuple[Rule, ...]:
@@ -194,6 +219,8 @@ def bind(model, cfg: ModelArchitecture) -> list[BoundTensor]:
     """Pairs every parameter of one (unwrapped) GPTModel chunk with its rule, in HF order.
     Raises CheckpointError if a parameter has no rule or a rule finds no parameter."""
     params = dict(model.named_parameters())
+    # the routers' expert bias is a buffer (models/builder.py: install_frozen_expert_bias)
+    params.update((n, b) for n, b in model.named_buffers() if n.endswith("mlp.router.expert_bias"))
     bound: list[BoundTensor] = []
 
     def add(rule: Rule, layer_local: int | None, layer_global: int | None, expert_local: int | None = None,

@@ -15,11 +15,25 @@ class ArchitectureSpec:
     qk_norm: bool                   # RMSNorm over head_dim on queries and keys before RoPE
     attention_bias_key: str | None  # config field that, when true, adds biases we do not support
     moe: bool = False               # sparse MLP layers (routed experts; config.json's num_experts)
-    # A shared expert beside the routed ones (config.json's shared_expert_intermediate_size), its output
-    # scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE).
-    gated_shared_expert: bool = False
-    # Config field that switches the q/k/v biases off (qkv_bias defaults to true; None: hard-wired).
+    # Shared experts beside the routed ones: None; "gated": one of shared_expert_intermediate_size,
+    # its output scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE); "counted": n_shared_experts x
+    # moe_intermediate_size wide, ungated (GLM-4.5, DeepSeek-V3).
+    shared_expert: str | None = None
+    # Config field that sets the q/k/v biases (default: qkv_bias above); None: hard-wired.
     qkv_bias_key: str | None = None
+    # Config field that turns the q/k RMSNorm on (default: qk_norm above); None: hard-wired.
+    qk_norm_key: str | None = None
+    # Which layers are sparse: "sparse_step" (decoder_sparse_step / mlp_only_layers, Qwen) or
+    # "first_k_dense" (the first first_k_dense_replace layers dense, GLM-4.5 / DeepSeek-V3).
+    moe_layout: str = "sparse_step"
+    experts_key: str = "num_experts"  # the config field with the number of routed experts
+    # Router: "softmax" (Qwen: softmax, top-k, norm_topk_prob) or "sigmoid" (GLM-4.5 / DeepSeek-V3:
+    # sigmoid scores, top-k of scores + e_score_correction_bias within the n_group / topk_group
+    # groups, weights normalised and times routed_scaling_factor).
+    router: str = "softmax"
+    # partial_rotary_factor when the config has none (transformers' default for GLM-4.5 is 0.5);
+    # None: rotary over the whole head, a partial_rotary_factor != 1 refused.
+    partial_rotary_default: float | None = None
     # SGLang 0.5.23's model class builds every layer sparse (it reads neither mlp_only_layers nor
     # decoder_sparse_step) and skips a dense layer's MLP weights in silence.
     sglang_every_layer_sparse: bool = False
@@ -42,6 +56,14 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2 attention (q/k/v bias, config qkv_bias);
     # routed experts as Qwen3-MoE plus one shared expert gated by sigmoid(shared_expert_gate(x)).
     "qwen2_moe": ArchitectureSpec("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True, qk_norm=False,
-                                  attention_bias_key=None, moe=True, gated_shared_expert=True,
+                                  attention_bias_key=None, moe=True, shared_expert="gated",
                                   qkv_bias_key="qkv_bias", sglang_every_layer_sparse=True),
+    # GLM-4.5 / 4.6 / Air: attention_bias = q/k/v biases only (o_proj has none), use_qk_norm, partial
+    # rotary (0.5); first_k_dense_replace dense layers, then sigmoid-routed experts with the
+    # expert-bias (aux-loss-free) router and n_shared_experts ungated shared experts.
+    "glm4_moe": ArchitectureSpec("glm4_moe", "Glm4MoeForCausalLM", qkv_bias=False, qk_norm=False,
+                                 attention_bias_key=None, moe=True, shared_expert="counted",
+                                 qkv_bias_key="attention_bias", qk_norm_key="use_qk_norm",
+                                 moe_layout="first_k_dense", experts_key="n_routed_experts", router="sigmoid",
+                                 partial_rotary_default=0.5),
 }

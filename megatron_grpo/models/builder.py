@@ -12,6 +12,7 @@ right stage on every rank.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,8 @@ from megatron_grpo.models.rope import rope_inv_freq
 from megatron_grpo.models.spec import Backend, block_spec, resolve_backend
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+log = logging.getLogger(__name__)
+_warned_frozen_bias: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -116,12 +119,20 @@ def moe_config(model_config: ModelArchitecture, layout: ParallelLayout, grouped_
         num_moe_experts=model_config.num_experts,
         moe_router_topk=model_config.moe_top_k,
         moe_ffn_hidden_size=model_config.moe_ffn_hidden_size,
-        # Qwen2-MoE's shared expert: megatron's SharedExpertMLP, its output times sigmoid(gate_weight . x).
+        # Shared experts: megatron's SharedExpertMLP (Qwen2-MoE's output times sigmoid(gate_weight . x)).
         moe_shared_expert_intermediate_size=model_config.shared_expert_ffn_hidden_size or None,
-        moe_shared_expert_gate=model_config.shared_expert_ffn_hidden_size > 0,
+        moe_shared_expert_gate=model_config.shared_expert_gate,
         moe_layer_freq=[1 if i in model_config.moe_layers else 0 for i in range(model_config.num_layers)],
-        moe_router_pre_softmax=not model_config.norm_topk_prob,
-        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not model_config.norm_topk_prob and model_config.router_score_function == "softmax",
+        moe_router_score_function=model_config.router_score_function,
+        # GLM-4.5 / DeepSeek-V3 (sigmoid): groups, scaling; HF computes these routers in fp32. The expert
+        # bias is installed frozen by install_frozen_expert_bias (megatron's own, moe_router_enable_expert_bias,
+        # is created on CUDA and updated by its aux-loss-free rule: see docs/models.md).
+        moe_router_num_groups=model_config.moe_num_groups or None,
+        moe_router_group_topk=model_config.moe_group_topk or None,
+        moe_router_topk_scaling_factor=(model_config.routed_scaling_factor
+                                        if model_config.router_score_function == "sigmoid" else None),
+        moe_router_dtype="fp32" if model_config.router_score_function == "sigmoid" else None,
         moe_router_load_balancing_type="aux_loss" if coef > 0 else "none",
         moe_aux_loss_coeff=coef * model_config.moe_top_k / len(model_config.moe_layers),
         moe_token_dispatcher_type="alltoall",
@@ -202,12 +213,15 @@ def _build_chunk(model_config, config, spec, pre_process, post_process, vp_stage
         share_embeddings_and_output_weights=model_config.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=model_config.rope_theta,
+        rotary_percent=model_config.rotary_percent,
         vp_stage=vp_stage,
     )
     # Our inv_freq honours every llama3 rope field of the config (see models/rope.py).
     inv_freq = model.rotary_pos_emb.inv_freq
     model.rotary_pos_emb.inv_freq = rope_inv_freq(
-        model_config.head_dim, model_config.rope_theta, model_config.rope_scaling).to(inv_freq.device)
+        model_config.rotary_dim, model_config.rope_theta, model_config.rope_scaling).to(inv_freq.device)
+    if model_config.expert_bias:
+        install_frozen_expert_bias(model, model_config)
     if local_context_parallel:
         from megatron_grpo.ops.context_parallel import ContextParallelRotaryEmbedding
 
@@ -220,6 +234,27 @@ def _build_chunk(model_config, config, spec, pre_process, post_process, vp_stage
     if dtype == torch.bfloat16:
         return Float16Module(config, model)
     return model
+
+
+def install_frozen_expert_bias(model, model_config: ModelArchitecture) -> None:
+    """Gives every router of `model` an `expert_bias` buffer (fp32 [num_experts], HF's
+    e_score_correction_bias, loaded by the converter), which megatron-core's top-k routing adds to
+    the sigmoid scores to choose the experts. Built with moe_router_enable_expert_bias off, megatron
+    neither counts tokens for nor updates it: the bias stays at its checkpoint value (frozen)."""
+    for layer in model.decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if router is None:
+            continue
+        weight = router.weight
+        if "expert_bias" in router.__dict__:
+            del router.expert_bias  # megatron's plain None attribute when its own bias is off
+        router.register_buffer("expert_bias", torch.zeros(model_config.num_experts, dtype=torch.float32,
+                                                          device=weight.device))
+    if model_config.architecture not in _warned_frozen_bias:
+        _warned_frozen_bias.add(model_config.architecture)
+        log.warning("%s: the routers' e_score_correction_bias (aux-loss-free load balancing) stays frozen at the "
+                    "checkpoint's values; megatron-core's bias update rule (moe_router_bias_update_rate) is not "
+                    "applied", model_config.architecture)
 
 
 def build_reference_model(model_config: ModelArchitecture, layout: ParallelLayout | None = None, *,

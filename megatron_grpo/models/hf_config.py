@@ -62,6 +62,23 @@ class ModelArchitecture:
     # Qwen2-MoE's shared expert on every sparse layer (0: none): a SwiGLU MLP of this width whose
     # output is scaled by sigmoid(shared_expert_gate(x)) and added to the routed experts' output.
     shared_expert_ffn_hidden_size: int = 0
+    shared_expert_gate: bool = False   # Qwen2-MoE's sigmoid gate on the shared expert's output
+    # GLM-4.5 / DeepSeek-V3 routers: "sigmoid" scores; the top-k of scores + the per-expert bias
+    # (e_score_correction_bias, frozen) within the best moe_group_topk of moe_num_groups groups (0: no
+    # groups); weights = the chosen scores normalised to sum 1, times routed_scaling_factor.
+    router_score_function: str = "softmax"
+    expert_bias: bool = False
+    moe_num_groups: int = 0
+    moe_group_topk: int = 0
+    routed_scaling_factor: float = 1.0
+    rotary_percent: float = 1.0        # the leading fraction of each head that RoPE rotates (GLM-4.5: 0.5)
+    # Multi-token-prediction layers the HF checkpoint may carry after the last layer
+    # (model.layers.{num_layers + i}.*): not trained, dropped on import.
+    mtp_layers: int = 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_percent)
 
     @property
     def is_moe(self) -> bool:
@@ -216,8 +233,9 @@ def _parse(hf: dict, where: str, padded_vocab_size: int | None, tensor_parallel:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=bool(hf.get(spec.qkv_bias_key, True)) if spec.qkv_bias_key else spec.qkv_bias,
-        qk_norm=spec.qk_norm,
+        qkv_bias=bool(hf.get(spec.qkv_bias_key, spec.qkv_bias)) if spec.qkv_bias_key else spec.qkv_bias,
+        qk_norm=bool(hf.get(spec.qk_norm_key, spec.qk_norm)) if spec.qk_norm_key else spec.qk_norm,
+        rotary_percent=_parse_partial_rotary(hf, spec, head_dim, where),
         attention_dropout=float(hf.get("attention_dropout") or 0.0),
         hf_config=hf,
         **moe,
@@ -225,19 +243,47 @@ def _parse(hf: dict, where: str, padded_vocab_size: int | None, tensor_parallel:
 
 
 def _parse_moe(hf: Mapping, spec: ArchitectureSpec, num_layers: int, where: str) -> dict:
-    """The MoE fields of ModelArchitecture (empty for dense architectures), as HF Qwen3-MoE reads them."""
+    """The MoE fields of ModelArchitecture (empty for dense architectures), as the HF model reads them."""
     if not spec.moe:
         return {}
     # Qwen's config.json says num_experts; transformers >= 5 saves it as num_local_experts (an alias).
-    named = {key: hf[key] for key in ("num_experts", "num_local_experts") if hf.get(key) is not None}
+    keys = ("num_experts", "num_local_experts") if spec.experts_key == "num_experts" else (spec.experts_key,)
+    named = {key: hf[key] for key in keys if hf.get(key) is not None}
     if not named:
-        raise ConfigError(f"{where}: required key 'num_experts' is missing")
+        raise ConfigError(f"{where}: required key {spec.experts_key!r} is missing")
     if len(set(named.values())) > 1:
         raise ConfigError(f"{where}: num_experts and num_local_experts differ ({named})")
     experts = int(next(iter(named.values())))
     top_k = int(_require(hf, "num_experts_per_tok", where))
     if not 1 <= top_k <= experts:
-        raise ConfigError(f"{where}: num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
+        raise ConfigError(f"{where}: num_experts_per_tok={top_k} must be in [1, {spec.experts_key}={experts}]")
+    moe_width = int(_require(hf, "moe_intermediate_size", where))
+    out = dict(num_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=moe_width,
+               moe_layers=_moe_layers(hf, spec, num_layers, where),
+               norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    if spec.shared_expert == "gated":
+        shared = int(_require(hf, "shared_expert_intermediate_size", where))
+        if shared < 1:
+            raise ConfigError(f"{where}: shared_expert_intermediate_size={shared} must be >= 1")
+        out.update(shared_expert_ffn_hidden_size=shared, shared_expert_gate=True)
+    elif spec.shared_expert == "counted":
+        count = int(hf.get("n_shared_experts") or 0)
+        out.update(shared_expert_ffn_hidden_size=count * moe_width)
+    if spec.router == "softmax":
+        # HF adds router_aux_loss_coef * the load-balancing loss only with output_router_logits.
+        out["router_aux_loss_coef"] = (float(hf.get("router_aux_loss_coef") or 0.0)
+                                       if hf.get("output_router_logits") else 0.0)
+        return out
+    out.update(_parse_sigmoid_router(hf, experts, top_k, where))
+    return out
+
+
+def _moe_layers(hf: Mapping, spec: ArchitectureSpec, num_layers: int, where: str) -> tuple[int, ...]:
+    if spec.moe_layout == "first_k_dense":
+        first = int(hf.get("first_k_dense_replace") or 0)
+        if not 0 <= first < num_layers:
+            raise ConfigError(f"{where}: first_k_dense_replace={first} must be in [0, num_hidden_layers={num_layers})")
+        return tuple(range(first, num_layers))
     step = int(hf["decoder_sparse_step"]) if hf.get("decoder_sparse_step") is not None else 1
     if step < 1:
         raise ConfigError(f"{where}: decoder_sparse_step={step} must be >= 1")
@@ -247,16 +293,46 @@ def _parse_moe(hf: Mapping, spec: ArchitectureSpec, num_layers: int, where: str)
     moe_layers = tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
     if not moe_layers:
         raise ConfigError(f"{where}: no sparse layer (decoder_sparse_step={step}, mlp_only_layers={dense_only})")
-    coef = float(hf.get("router_aux_loss_coef") or 0.0) if hf.get("output_router_logits") else 0.0
-    shared = 0
-    if spec.gated_shared_expert:
-        shared = int(_require(hf, "shared_expert_intermediate_size", where))
-        if shared < 1:
-            raise ConfigError(f"{where}: shared_expert_intermediate_size={shared} must be >= 1")
-    return dict(num_experts=experts, moe_top_k=top_k,
-                moe_ffn_hidden_size=int(_require(hf, "moe_intermediate_size", where)), moe_layers=moe_layers,
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), router_aux_loss_coef=coef,
-                shared_expert_ffn_hidden_size=shared)
+    return moe_layers
+
+
+def _parse_sigmoid_router(hf: Mapping, experts: int, top_k: int, where: str) -> dict:
+    """GLM-4.5 / DeepSeek-V3's router as megatron-core's sigmoid router with expert bias builds it."""
+    if top_k > 1 and not hf.get("norm_topk_prob", False):
+        # megatron-core's sigmoid router always normalises the top-k weights
+        raise ConfigError(f"{where}: norm_topk_prob=false with the sigmoid router is not supported")
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ConfigError(f"{where}: topk_method={hf['topk_method']!r} is not supported (only 'noaux_tc')")
+    if hf.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ConfigError(f"{where}: scoring_func={hf['scoring_func']!r} is not supported (only 'sigmoid')")
+    groups, group_topk = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+    if groups > 1:
+        if experts % groups or not 1 <= group_topk <= groups:
+            raise ConfigError(f"{where}: n_group={groups} / topk_group={group_topk} do not split {experts} experts")
+        # HF ranks a group by the sum of its best 2 scores; megatron-core by its best top_k / topk_group.
+        if top_k % group_topk or top_k // group_topk != 2:
+            raise ConfigError(f"{where}: n_group={groups} with num_experts_per_tok={top_k} / topk_group={group_topk} "
+                              f"!= 2 is not supported (megatron-core ranks a group by its best "
+                              f"num_experts_per_tok / topk_group scores, HF by its best 2)")
+    else:
+        groups, group_topk = 0, 0
+    return dict(router_score_function="sigmoid", expert_bias=True, moe_num_groups=groups, moe_group_topk=group_topk,
+                routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0), router_aux_loss_coef=0.0,
+                mtp_layers=int(hf.get("num_nextn_predict_layers") or 0))
+
+
+def _parse_partial_rotary(hf: Mapping, spec: ArchitectureSpec, head_dim: int, where: str) -> float:
+    params = hf.get("rope_parameters") or {}
+    given = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    factor = float(given) if given is not None else (spec.partial_rotary_default or 1.0)
+    if factor != 1.0 and spec.partial_rotary_default is None:
+        raise ConfigError(f"{where}: partial_rotary_factor={factor} is not supported for model_type "
+                          f"{spec.model_type!r}")
+    rotary = int(head_dim * factor)
+    if not 0 < factor <= 1 or rotary % 2:
+        raise ConfigError(f"{where}: partial_rotary_factor={factor} gives {rotary} rotary dims of head_dim "
+                          f"{head_dim} (must be even and > 0)")
+    return factor
 
 
 def _reject_math_changes(hf: Mapping, spec: ArchitectureSpec, where: str) -> None:
@@ -275,18 +351,18 @@ def _reject_math_changes(hf: Mapping, spec: ArchitectureSpec, where: str) -> Non
         raise ConfigError(f"{where}: layer_types {sorted(set(layer_types))} is not supported "
                           f"(only 'full_attention')")
     # transformers writes num_local_experts beside num_experts for Qwen3-MoE (an alias).
-    for key in ("n_routed_experts",) + (() if spec.moe else ("num_experts", "num_local_experts")):
+    own = (() if not spec.moe else ("num_experts", "num_local_experts") if spec.experts_key == "num_experts"
+           else (spec.experts_key,))
+    for key in [k for k in ("n_routed_experts", "num_experts", "num_local_experts") if k not in own]:
         if hf.get(key):
             moe_types = ", ".join(sorted(t for t, s in ARCHITECTURES.items() if s.moe))
             raise ConfigError(f"{where}: {key}={hf[key]} (mixture of experts) is not supported for model_type "
                               f"{spec.model_type!r} (supported: {moe_types})")
-    shared_keys = ("n_shared_experts",) + (() if spec.gated_shared_expert else ("shared_expert_intermediate_size",))
-    for key in shared_keys:
-        if hf.get(key):
+    shared_key = {"gated": "shared_expert_intermediate_size", "counted": "n_shared_experts"}.get(spec.shared_expert)
+    for key in ("n_shared_experts", "shared_expert_intermediate_size"):
+        if key != shared_key and hf.get(key):
             raise ConfigError(f"{where}: {key}={hf[key]} (shared experts) is not supported for model_type "
                               f"{spec.model_type!r}")
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError(f"{where}: partial_rotary_factor={hf['partial_rotary_factor']} is not supported")
 
 
 def _parse_rope(hf: Mapping, where: str) -> tuple[float, Llama3RopeScaling | None]:

@@ -10,7 +10,8 @@ import torch
 
 # Each exercises one architecture's special features: qwen2 (q/k/v bias, untied), qwen3 (q/k norm,
 # head_dim 32 != hidden/heads 16, tied), llama (llama3 rope scaling with non-default factors, untied),
-# qwen3_moe (routed experts with a dense layer between sparse ones), qwen2_moe (gated shared expert).
+# qwen3_moe (routed experts with a dense layer between sparse ones), qwen2_moe (gated shared expert),
+# glm4_moe (sigmoid router with bias and groups, partial RoPE).
 TINY_CONFIGS: dict[str, dict] = {
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=250,
@@ -40,6 +41,17 @@ TINY_CONFIGS: dict[str, dict] = {
                       mlp_only_layers=[0], num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                       vocab_size=250, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
                       tie_word_embeddings=False),
+    # GLM-4.5's features in small: q/k/v bias (attention_bias), q/k norm, head_dim 32 != 64 / 4, RoPE over
+    # half of each head; layer 0 dense (first_k_dense_replace); 16 sigmoid-routed experts, top-4 within the
+    # best 2 of 4 groups (GLM-4.5 has n_group 1; DeepSeek-V3's grouping), a random expert bias, scaling 2.5,
+    # one ungated shared expert.
+    "glm4_moe": dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], hidden_size=64,
+                     intermediate_size=128, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
+                     n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=1,
+                     first_k_dense_replace=1, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
+                     vocab_size=250, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     tie_word_embeddings=False),
 }
 
 
@@ -53,7 +65,7 @@ def tiny_hf_config(architecture: str, **overrides):
 
 def save_tiny_hf_model(architecture: str, path: str | Path, seed: int = 0, **overrides) -> Path:
     """Saves a randomly initialised tiny model (fp32 safetensors + config) to `path`.
-    Every tensor, norms included, is random so that any mix-up in conversion shows."""
+    Every tensor, norms and routing biases included, is random so that any mix-up in conversion shows."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -64,6 +76,9 @@ def save_tiny_hf_model(architecture: str, path: str | Path, seed: int = 0, **ove
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.copy_(0.08 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5 / DeepSeek-V3's routing bias
+                buffer.copy_(0.08 * torch.randn_like(buffer))
     model.save_pretrained(str(path))
     return Path(path)
 

@@ -21,7 +21,7 @@ class WeightLoadReport:
 
 
 class HFWeightLoader:
-    """Writes HF-named tensors into `model`'s parameters in place.
+    """Writes HF-named tensors into `model`'s parameters (and persistent buffers) in place.
 
     Tied parameters (e.g. lm_head.weight sharing model.embed_tokens.weight) are one storage with
     several names: a tensor sent under any of its names updates all of them, which is how an HF
@@ -29,6 +29,10 @@ class HFWeightLoader:
 
     def __init__(self, model: torch.nn.Module):
         self._params: dict[str, torch.nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
+        # Persistent buffers are checkpoint tensors too (GLM-4.5's router bias); rotary caches are not persistent.
+        persistent = set(model.state_dict())
+        self._params.update((name, buffer) for name, buffer in model.named_buffers(remove_duplicate=False)
+                            if name in persistent)
         # name -> canonical name (the first name of each shared storage)
         self._canonical: dict[str, str] = {}
         first_name_of: dict[int, str] = {}
