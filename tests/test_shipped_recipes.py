@@ -83,6 +83,11 @@ LAYOUT_VARIANTS = {
     "qwen3_8b_dapo_math": ("qwen3_8b_gsm8k", ("tests/test_dapo_overlong.py::"
                                               "test_the_penalty_reaches_the_advantages_and_the_filter_reads_the_chosen_metric",
                                               "tests/test_algo_losses.py", "tests/test_trainer_e2e.py")),
+    # + Skywork-Reward-V2 on SGLang servers of its own (GPUs 6, 7): the scorer against SGLang's code, the
+    # sbatch script's plan with the servers
+    "qwen3_8b_gsm8k_rm": ("qwen3_8b_gsm8k", ("tests/test_reward_models.py",
+                                             "tests/test_slurm_scripts.py::test_dry_run_qwen3_8b_with_its_reward_model_"
+                                             "servers")),
 }
 
 

@@ -48,7 +48,8 @@ def dry_run(script: str, *overrides: str, **env: str) -> subprocess.CompletedPro
 
 def parse_plan(stdout: str) -> dict[str, list[dict[str, str]]]:
     """`[dry-run] node=H role=R k=v ... :: command` lines -> {role: [{node, ..., cmd}]}."""
-    plan: dict[str, list[dict[str, str]]] = {"engine": [], "trainer": [], "router": [], "launch": []}
+    plan: dict[str, list[dict[str, str]]] = {"engine": [], "trainer": [], "router": [], "launch": [],
+                                             "reward_model": []}
     for line in stdout.splitlines():
         if line.startswith("[dry-run] launch :: "):
             plan["launch"].append({"cmd": line.split(" :: ", 1)[1]})
@@ -232,3 +233,36 @@ def test_dry_run_explains_impossible_layouts() -> None:
     assert result.returncode != 0 and "not divisible by the data-parallel size 4" in result.stderr
     result = dry_run("grpo_tiny_cpu.sh", ENGINE_PLACEMENT="dedicated")
     assert result.returncode != 0 and "need GPUs" in result.stderr
+
+
+def test_dry_run_qwen3_8b_with_its_reward_model_servers() -> None:
+    """recipes/qwen3_8b_gsm8k_rm.yaml through the 8B script: the parent's engines and trainer, plus
+    one reward-model server per GPU of reward.models.rm.sglang.gpus (6, 7) on the batch node, with the
+    job's key from the environment; the trainer gets their URLs (and launches none)."""
+    import shlex
+
+    from megatron_grpo.config import load_config, validate
+
+    model = "/shared/models/Skywork-Reward-V2-Llama-3.1-8B"
+    result = dry_run("grpo_qwen3_8b.sh", f"reward.models.rm.path={model}", RECIPE="qwen3_8b_gsm8k_rm")
+    assert result.returncode == 0, result.stderr
+    plan = parse_plan(result.stdout)
+    assert len(plan["engine"]) == 8 and [e["gpus"] for e in plan["engine"]] == [str(i) for i in range(8)]
+    servers = plan["reward_model"]
+    assert [(s["node"], s["name"], s["gpus"], s["url"]) for s in servers] == [
+        ("node1", "rm", "6", "http://node1:31000"), ("node1", "rm", "7", "http://node1:31001")]
+    for i, server in enumerate(servers):
+        assert (f"-m megatron_grpo.launch.api_key_exec GRPO_SGLANG_API_KEY sglang.launch_server --model-path {model} "
+                f"--tp-size 1 --base-gpu-id {6 + i} --host node1 --port {31000 + i} --mem-fraction-static 0.14 "
+                "--is-embedding") in server["cmd"]
+        assert "--api-key" not in server["cmd"] and "--enable-memory-saver" not in server["cmd"]  # resident
+    assert re.search(r"^\[dry-run\] env GRPO_SGLANG_API_KEY=<64 random hex digits", result.stdout, re.M)
+    [trainer] = plan["trainer"]
+    args = shlex.split(trainer["cmd"])
+    given = ['reward.models.rm.sglang.urls=["http://node1:31000","http://node1:31001"]',
+             "reward.models.rm.sglang.gpus=[]", "reward.models.rm.sglang.api_key_env=GRPO_SGLANG_API_KEY"]
+    assert all(arg in args for arg in given), args
+    cfg = load_config("qwen3_8b_gsm8k_rm", [a for a in args if a.startswith(("reward.", "rollout."))])
+    validate(cfg, world_size=8, ranks_per_node=8)
+    assert cfg.reward.models["rm"].sglang.urls == ["http://node1:31000", "http://node1:31001"]
+    assert cfg.reward.models["rm"].path == model

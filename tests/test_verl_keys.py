@@ -429,3 +429,21 @@ def test_override_config_with_a_checkpoint_is_listed_as_no_effect():
     assert not any(key.startswith("model.override_config") for key in translation.values)
     assert ("actor_rollout_ref.model.override_config.model_config.max_position_embeddings=10240: no effect: with "
             "model.path the checkpoint's config.json is used as it is" in render_recipe(translation))
+
+
+def test_verls_reward_model_becomes_reward_models_rm():
+    """verl 0.9's reward loop: RM enabled and no custom function = the RM's score alone; with a
+    custom function verl calls only that, so nothing is scored by a model here either."""
+    rm = ["reward_model.enable=true", "reward_model.model.path=Skywork/Skywork-Reward-V2-Llama-3.1-8B",
+          "reward_model.rollout.name=sglang", "reward_model.rollout.tensor_model_parallel_size=2",
+          "reward_model.rollout.gpu_memory_utilization=0.3", "data.train_files=/d/train.parquet"]
+    values = translate(parse_command_line(rm)).values
+    assert {k: v for k, v in values.items() if k.startswith(("reward.models", "reward.combine"))} == {
+        "reward.models.rm.kind": "reward_model", "reward.models.rm.backend": "sglang",
+        "reward.models.rm.path": "Skywork/Skywork-Reward-V2-Llama-3.1-8B", "reward.models.rm.sglang.tp_size": 2,
+        "reward.models.rm.sglang.mem_fraction": 0.3, "reward.combine.weights": {"rule": 0.0, "rm": 1.0}}
+    custom = translate(parse_command_line([*rm, "custom_reward_function.path=/r/score.py"]))
+    assert not any(k.startswith(("reward.models", "reward.combine")) for k in custom.values)
+    assert custom.values["reward.function"] == "/r/score.py:compute_score"
+    assert any(e.startswith("reward_model.enable=true: no effect: with a custom reward function")
+               for e in custom.changed)

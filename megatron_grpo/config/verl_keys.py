@@ -383,6 +383,47 @@ def _reward_manager(value: Any, given: Mapping[str, Any], key: str) -> Translati
                            "overlong penalty is reward.overlong_buffer")
 
 
+RM = "reward.models.rm"  # verl's one reward model, by this name here
+
+
+def _rm_enabled(given: Mapping[str, Any]) -> bool:
+    return bool(given.get("reward_model.enable") or given.get("reward.reward_model.enable"))
+
+
+def _custom_function(given: Mapping[str, Any]) -> bool:
+    return bool(given.get("custom_reward_function.path") or given.get("reward.custom_reward_function.path"))
+
+
+def _rm_enable(value: Any, given: Mapping[str, Any], key: str) -> Translation:
+    """verl 0.9's reward loop: with the RM enabled and no custom function, the reward is the
+    discriminative RM's score alone (its rendering: the prompt's chat + the response through the
+    RM's chat template, as reward.models does)."""
+    if not value:
+        return Translation({})
+    if _custom_function(given):
+        return Translation({}, "no effect: with a custom reward function verl calls only that function (it may post "
+                               "to the reward model itself); here reward.function is that function, no model scores")
+    return Translation({f"{RM}.kind": "reward_model", f"{RM}.backend": "sglang",
+                        "reward.combine.weights": {"rule": 0.0, "rm": 1.0}},
+                       "the reward is the reward model's score alone, as verl's; give its SGLang servers: "
+                       f"{RM}.sglang.urls=[...] (or .gpus to launch them)")
+
+
+def _rm_field(field: str) -> Converter:
+    def convert(value: Any, given: Mapping[str, Any], key: str) -> Translation:
+        if not _rm_enabled(given) or _custom_function(given):
+            return Translation({}, "no effect: no reward model scores (reward_model.enable is false, or a custom "
+                                   "reward function is given)")
+        return Translation({f"{RM}.{field}": value})
+    return convert
+
+
+def _rm_engine(value: Any, given: Mapping[str, Any], key: str) -> Translation:
+    if value == "sglang" or not _rm_enabled(given):
+        return Translation({})
+    return Translation({}, f"the reward model is served by SGLang here ({RM}.backend=sglang, its /classify)")
+
+
 def _dapo_manager(given: Mapping[str, Any]) -> bool:
     """verl reads reward_kwargs.overlong_buffer_cfg / max_resp_len only in its dapo reward manager."""
     return "dapo" in (given.get("reward_model.reward_manager"), given.get("reward.reward_manager.name"))
@@ -409,7 +450,8 @@ _NO_LORA = "LoRA is not supported: full-parameter training"
 _NO_MM = "multimodal inputs are not supported (text prompts only)"
 _NO_MULTITURN = ("verl's agent loop and tool configs do not carry over: multi-turn / tool-calling rollouts here "
                  "run an environment class, rollout.multi_turn.environment (docs/multi-turn.md)")
-_NO_RM = "model-based rewards (a reward model) are not supported: rule / function rewards (reward.function)"
+_NO_RM = ("the reward model's serving options: its SGLang servers are reward.models.<name>.sglang.* (urls, or gpus "
+          "to launch them; extra_args for server flags)")
 _NO_SANDBOX = "code-execution sandboxes are not supported: a reward function may call one itself"
 _NO_RAY = "no Ray: the processes come from the launcher (torchrun / srun / mpirun)"
 _WORLD = "the world size comes from the launcher (torchrun --nnodes N --nproc-per-node G, srun)"
@@ -718,6 +760,15 @@ TABLE: tuple[VerlKey, ...] = (
       for section in ("reward", "reward_model")),
     none("reward.reward_kwargs.*", "read by custom reward managers, which are not supported", added=True),
     none("reward_model.reward_kwargs.*", "read by custom reward managers, which are not supported", added=True),
+    *(row for section, path in (("reward.reward_model", "model_path"), ("reward_model", "model.path")) for row in (
+        conv(f"{section}.enable", ("reward.models", "reward.combine"), "a discriminative reward model, its score "
+             "the whole reward (with a custom reward function verl calls only that)", _rm_enable),
+        conv(f"{section}.{path}", ("reward.models",), f"{RM}.path", _rm_field("path")),
+        conv(f"{section}.rollout.tensor_model_parallel_size", ("reward.models",), f"{RM}.sglang.tp_size",
+             _rm_field("sglang.tp_size")),
+        conv(f"{section}.rollout.gpu_memory_utilization", ("reward.models",), f"{RM}.sglang.mem_fraction",
+             _rm_field("sglang.mem_fraction")),
+        conv(f"{section}.rollout.name", (), "sglang here", _rm_engine))),
     none("reward.reward_model.*", _NO_RM), none("reward_model.*", _NO_RM),
     none("reward.sandbox_fusion.*", _NO_SANDBOX), none("sandbox_fusion.*", _NO_SANDBOX),
     # -- trainer -----------------------------------------------------------------------------

@@ -90,9 +90,10 @@ def launch_servers(key: str, cfg: ModelScorerConfig, api_key: str | None, log_di
 
     s = cfg.sglang
     command = tuple(s.launch_command) or (sys.executable, "-m", "sglang.launch_server")
+    flags = ("--is-embedding",) if cfg.kind == "reward_model" else ()  # SGLang's classification path
     servers = [ServerSettings(model_path=str(cfg.path), tp_size=s.tp_size, mem_fraction_static=s.mem_fraction,
                               port=s.port + i, api_key=api_key, base_gpu_id=s.gpus[i * s.tp_size],
-                              extra_args=tuple(s.extra_args), command=command)
+                              extra_args=(*flags, *s.extra_args), command=command)
                for i in range(len(s.gpus) // s.tp_size)]
     launcher = SGLangLauncher(servers=servers, log_dir=log_dir)
     launcher.start()

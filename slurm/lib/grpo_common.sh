@@ -74,6 +74,8 @@ GRPO_PID_NAMES=()
 GRPO_TRAINER_PID=""
 GRPO_SIGNAL=""      # USR1 / TERM when the job was asked to stop
 GRPO_ARGS=()
+# reward.models' SGLang servers this job starts (grpo_read_reward_models), one entry per server
+GRPO_RM_NAME=(); GRPO_RM_MODEL=(); GRPO_RM_TP=(); GRPO_RM_GPU=(); GRPO_RM_PORT=(); GRPO_RM_MEM=(); GRPO_RM_FLAGS=()
 
 grpo_log() { printf '[grpo %(%H:%M:%S)T] %s\n' -1 "$*"; [ -z "${GRPO_LOG_FILE:-}" ] || printf '[grpo %(%H:%M:%S)T] %s\n' -1 "$*" >> "$GRPO_LOG_FILE"; }
 grpo_die() { grpo_log "ERROR: $*" >&2; exit 1; }
@@ -169,6 +171,32 @@ PY
     eval "$code"
 }
 
+# grpo_read_reward_models: the SGLang servers of reward.models this job starts (scorers with
+# backend=sglang, sglang.gpus set and no urls, and a non-zero weight): one per sglang.tp_size of
+# those GPUs, on the batch node, ports from sglang.port; reward models with --is-embedding (SGLang's
+# classification path). The trainer gets their URLs (grpo_engine_overrides) and launches none.
+grpo_read_reward_models() {
+    local code
+    code=$("$GRPO_PYTHON" - "$RECIPE" "${GRPO_ARGS[@]}" <<'PY'
+import shlex, sys
+from megatron_grpo.config import load_config
+c = load_config(sys.argv[1], sys.argv[2:])
+rows = []
+for name, m in c.reward.models.items():
+    s = m.sglang
+    if m.backend != "sglang" or s.urls or not s.gpus or not c.reward.combine.active(name):
+        continue
+    flags = ["--is-embedding"] if m.kind == "reward_model" else []
+    for i in range(len(s.gpus) // s.tp_size):
+        rows.append((name, m.path, s.tp_size, s.gpus[i * s.tp_size], s.port + i, s.mem_fraction,
+                     shlex.join([*flags, *s.extra_args])))
+for column, var in enumerate(("NAME", "MODEL", "TP", "GPU", "PORT", "MEM", "FLAGS")):
+    print(f"GRPO_RM_{var}=(" + " ".join(shlex.quote(str(row[column])) for row in rows) + ")")
+PY
+) || grpo_die "could not read reward.models of recipe $RECIPE with $GRPO_PYTHON"
+    eval "$code"
+}
+
 # ------------------------------------------------------------------------------ plan
 grpo_plan() {
     local G=$GPUS_PER_NODE i
@@ -260,6 +288,36 @@ grpo_engine_cmd() {
 
 grpo_router_url() { printf 'http://%s:%s' "${SGLANG_BIND_HOST:-$GRPO_BATCH_HOST}" "$R_ROUTER_PORT"; }
 
+grpo_rm_url() { printf 'http://%s:%s' "${SGLANG_BIND_HOST:-$GRPO_BATCH_HOST}" "${GRPO_RM_PORT[$1]}"; }
+
+# grpo_rm_cmd K: GRPO_CMD / GRPO_LAUNCH of reward-model server K, on the batch node's GPUs from
+# reward.models.<name>.sglang.gpus (not trainer GPUs' engines: it stays resident)
+grpo_rm_cmd() {
+    local k=$1 flags=() gpus i
+    eval "flags=(${GRPO_RM_FLAGS[$k]})"
+    GRPO_CMD=("$GRPO_PYTHON" -m "$GRPO_KEYED" GRPO_SGLANG_API_KEY "${SGLANG_MODULE:-sglang.launch_server}"
+        --model-path "${GRPO_RM_MODEL[$k]}" --tp-size "${GRPO_RM_TP[$k]}" --base-gpu-id "${GRPO_RM_GPU[$k]}"
+        --host "${SGLANG_BIND_HOST:-$GRPO_BATCH_HOST}" --port "${GRPO_RM_PORT[$k]}"
+        --mem-fraction-static "${GRPO_RM_MEM[$k]}" "${flags[@]}")
+    gpus=${GRPO_RM_GPU[$k]}
+    for ((i = 1; i < GRPO_RM_TP[k]; i++)); do gpus+=",$((GRPO_RM_GPU[k] + i))"; done
+    GRPO_RM_GPUS=$gpus
+    GRPO_LAUNCH=(srun --overlap --nodes=1 --ntasks=1 --nodelist="$GRPO_BATCH_HOST" --cpus-per-task="${ENGINE_CPUS:-1}"
+        --cpu-bind=none --job-name="rm-$k" --open-mode=append --output="$GRPO_LOG_DIR/rm-$k-$GRPO_BATCH_HOST.log")
+}
+
+# grpo_start_reward_models: the reward models' servers, before the engines (SGLang sizes a server by
+# the GPU memory free when it starts: the recipes' arithmetic counts the RM first), waited on
+grpo_start_reward_models() {
+    local k urls=() offset=${#GRPO_PIDS[@]}
+    for ((k = 0; k < ${#GRPO_RM_NAME[@]}; k++)); do
+        grpo_rm_cmd "$k"
+        grpo_start_bg "rm-$k" "$GRPO_LOG_DIR/launch-rm-$k.log" "${GRPO_LAUNCH[@]}" "${GRPO_CMD[@]}"
+        urls+=("$(grpo_rm_url "$k")")
+    done
+    [ "${#urls[@]}" = 0 ] || grpo_wait_healthy "$offset" /health_generate "${urls[@]}"
+}
+
 grpo_router_cmd() {
     local urls=() k
     for ((k = 0; k < ${#GRPO_ENGINE_HOST[@]}; k++)); do urls+=("$(grpo_engine_url "$k")"); done
@@ -278,6 +336,15 @@ grpo_engine_overrides() {
         GRPO_ENGINE_OVERRIDES+=("rollout.sglang.urls=[$url_list]" "rollout.sglang.api_key_env=GRPO_SGLANG_API_KEY")
         [ "$R_ROUTER" = 1 ] && GRPO_ENGINE_OVERRIDES+=("rollout.sglang.router_url=$(grpo_router_url)")
     fi
+    local name
+    for name in $(printf '%s\n' "${GRPO_RM_NAME[@]}" | sort -u); do  # each scorer: its servers, in order
+        url_list=""
+        for ((k = 0; k < ${#GRPO_RM_NAME[@]}; k++)); do
+            [ "${GRPO_RM_NAME[$k]}" = "$name" ] && url_list+="${url_list:+,}\"$(grpo_rm_url "$k")\""
+        done
+        GRPO_ENGINE_OVERRIDES+=("reward.models.$name.sglang.urls=[$url_list]" "reward.models.$name.sglang.gpus=[]"
+            "reward.models.$name.sglang.api_key_env=GRPO_SGLANG_API_KEY")
+    done
     return 0
 }
 
@@ -341,7 +408,7 @@ grpo_doctor() {
 # The engines' and the router's key: the job's own, random (GRPO_SGLANG_API_KEY set outside wins).
 # Exported, so every srun step gets it in its environment; `ps` shows none of it.
 grpo_api_key() {
-    [ "${#GRPO_ENGINE_HOST[@]}" -gt 0 ] || return 0
+    [ $(( ${#GRPO_ENGINE_HOST[@]} + ${#GRPO_RM_NAME[@]} )) -gt 0 ] || return 0
     if [ -z "${GRPO_SGLANG_API_KEY:-}" ]; then
         GRPO_SGLANG_API_KEY=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
         [ "${#GRPO_SGLANG_API_KEY}" = 64 ] || grpo_die "could not make the engines' API key from /dev/urandom"
@@ -367,6 +434,11 @@ grpo_dry_run() {
         grpo_router_cmd
         echo "[dry-run] node=$GRPO_BATCH_HOST role=router url=$GRPO_ROUTER_URL :: $(grpo_quote "${GRPO_CMD[@]}")"
     fi
+    for ((k = 0; k < ${#GRPO_RM_NAME[@]}; k++)); do  # started before the engines
+        grpo_rm_cmd "$k"
+        echo "[dry-run] launch :: $(grpo_quote "${GRPO_LAUNCH[@]}" "${GRPO_CMD[@]}")"
+        echo "[dry-run] node=$GRPO_BATCH_HOST role=reward_model name=${GRPO_RM_NAME[$k]} id=$k gpus=$GRPO_RM_GPUS url=$(grpo_rm_url "$k") :: $(grpo_quote "${GRPO_CMD[@]}")"
+    done
     grpo_trainer_cmd
     echo "[dry-run] launch :: $(grpo_quote "${GRPO_LAUNCH[@]}" "${GRPO_CMD[@]}")"
     for ((idx = 0; idx < GRPO_TRAINER_NNODES; idx++)); do
@@ -484,6 +556,7 @@ grpo_main() {
     grpo_check_python
     grpo_allocation
     grpo_read_recipe
+    grpo_read_reward_models
     grpo_check_engine_python
     grpo_plan
     grpo_check_ports
@@ -514,6 +587,7 @@ grpo_main() {
     DRY_RUN=1 grpo_dry_run > "$GRPO_RUN_DIR/commands-${SLURM_JOB_ID}.txt"
     grpo_doctor
 
+    grpo_start_reward_models
     local k urls=()
     for ((k = 0; k < ${#GRPO_ENGINE_HOST[@]}; k++)); do
         grpo_engine_cmd "$k"
