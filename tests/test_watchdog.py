@@ -99,6 +99,7 @@ def test_the_summary_names_the_silent_ranks_else_the_odd_phase_out():
 
 def test_only_a_torch_collective_timeout_counts_as_one():
     assert is_collective_timeout(RuntimeError("[gloo/transport/tcp/pair.cc:598] Timed out waiting 9000ms for recv"))
+    assert is_collective_timeout(RuntimeError("Application timeout caused pair closure"))  # a peer's gloo timeout
     from megatron_grpo.errors import RolloutFailure
 
     assert not is_collective_timeout(RolloutFailure("http://n:30000/generate timed out after 600 s"))

@@ -53,12 +53,16 @@ def collective_timeout_s(hang_timeout_s: float) -> float:
 
 
 def is_collective_timeout(exc: BaseException | None) -> bool:
-    """gloo's 'Timed out waiting Nms for recv/send ...' (a RuntimeError), also as the cause of another
+    """gloo's 'Timed out waiting Nms for recv/send ...' or 'Application timeout caused pair closure' (a
+    RuntimeError), also as the cause of another
     error; a project error that says 'timed out' (an SGLang request) is not one."""
     for _ in range(10):
         if exc is None:
             return False
-        if isinstance(exc, RuntimeError) and not isinstance(exc, MegatronGRPOError) and "timed out" in str(exc).lower():
+        text = str(exc).lower()
+        # gloo says "Timed out waiting ..." or "Application timeout caused pair closure" (a peer's timeout)
+        if isinstance(exc, RuntimeError) and not isinstance(exc, MegatronGRPOError) and \
+                ("timed out" in text or "timeout" in text):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -117,6 +121,8 @@ class HangWatchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.poll_s * 5)
+        if self._reported.is_set():
+            return  # the heartbeats stay beside the report (and a rank woken late reads them)
         try:
             (self.folder / f"rank-{self.rank}.json").unlink()
             if self.rank == 0:
@@ -208,9 +214,15 @@ class HangWatchdog:
                                           "pid": p.pid, "idle_s": round(p.idle_s, 1),
                                           "silent_s": round(p.silent_s, 1)} for r, p in peers.items()},
                       "summary": line, "reporter": self.rank}
-            tmp = path.with_name(".summary.json.tmp")
+            tmp = path.with_name(f".summary-{self.rank}.json.tmp")
             tmp.write_text(json.dumps(record, indent=1))
-            os.replace(tmp, path)
+            try:  # the first report stands: a stopped rank that a launcher's SIGCONT wakes reports late
+                os.link(tmp, path)
+            except FileExistsError:
+                line = json.loads(path.read_text())["summary"]
+                say = False
+            finally:
+                tmp.unlink()
             if say:  # the exception path raises HangError, which the CLI prints as this line
                 sys.stderr.write(f"error: {line}\n")
                 sys.stderr.flush()
