@@ -351,3 +351,17 @@ def test_glm4_moe_mtp_layer_is_dropped_on_import(tmp_path):
               metadata={"format": "pt"})
     with pytest.raises(Exception, match=r"unexpected \[model.layers.5.eh_proj.weight\]"):
         run_distributed(_load_and_export, 1, args=(str(path),), timeout=300)
+
+
+@pytest.mark.parametrize("family", ("qwen3_moe",) + FAMILIES)
+def test_planned_parameter_count_is_the_hf_models(family):
+    """plan/engines.py's parameter count (the engines' weight bytes) equals the HF model's, shared experts
+    and their gate included (GLM-4.5's router bias is a buffer, not counted)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_grpo.models.tiny import tiny_hf_config
+    from megatron_grpo.plan.engines import parameter_count
+
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(family))
+    planned = parameter_count(ModelArchitecture.from_hf(TINY_CONFIGS[family]))
+    assert planned == sum(p.numel() for p in model.parameters())

@@ -57,6 +57,7 @@ def parameter_count(arch: ModelArchitecture) -> int:
         attention += 2 * d
     dense_mlp = 3 * h * arch.ffn_hidden_size
     moe_mlp = arch.num_experts * 3 * h * arch.moe_ffn_hidden_size + arch.num_experts * h  # experts + router
+    moe_mlp += 3 * h * arch.shared_expert_ffn_hidden_size + (h if arch.shared_expert_gate else 0)  # shared experts
     layers = sum(attention + (moe_mlp if i in arch.moe_layers else dense_mlp) for i in range(arch.num_layers))
     embedding = arch.vocab_size * h
     return layers + embedding * (1 if arch.tie_word_embeddings else 2) + h
