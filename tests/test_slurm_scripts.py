@@ -254,7 +254,7 @@ def test_dry_run_qwen3_8b_with_its_reward_model_servers() -> None:
     for i, server in enumerate(servers):
         assert (f"-m megatron_grpo.launch.api_key_exec GRPO_SGLANG_API_KEY sglang.launch_server --model-path {model} "
                 f"--tp-size 1 --base-gpu-id {6 + i} --host node1 --port {31000 + i} --mem-fraction-static 0.14 "
-                "--is-embedding") in server["cmd"]
+                "--is-embedding --random-seed 0") in server["cmd"]
         assert "--api-key" not in server["cmd"] and "--enable-memory-saver" not in server["cmd"]  # resident
     assert re.search(r"^\[dry-run\] env GRPO_SGLANG_API_KEY=<64 random hex digits", result.stdout, re.M)
     [trainer] = plan["trainer"]

@@ -14,6 +14,8 @@ from megatron_grpo.reward_models.scorers import JudgeScorer, RewardModelScorer
 from megatron_grpo.rewards.combined import CombinedRewards
 from megatron_grpo.rewards.runner import RewardRunner
 
+RM_SERVER_SEED = 0  # --random-seed of every reward-model server launched here (launch_servers)
+
 
 def build_rewards(reward, log_dir: str | Path):
     """`reward`: the recipe's reward section. Launched servers log under log_dir/<name>."""
@@ -90,7 +92,9 @@ def launch_servers(key: str, cfg: ModelScorerConfig, api_key: str | None, log_di
 
     s = cfg.sglang
     command = tuple(s.launch_command) or (sys.executable, "-m", "sglang.launch_server")
-    flags = ("--is-embedding",) if cfg.kind == "reward_model" else ()  # SGLang's classification path
+    # SGLang's classification path; one seed for every server: a head tensor the checkpoint lacks (Qwen2 /
+    # Qwen3's score bias) keeps its random initialisation, drawn from --random-seed (random when unset)
+    flags = ("--is-embedding", "--random-seed", str(RM_SERVER_SEED)) if cfg.kind == "reward_model" else ()
     servers = [ServerSettings(model_path=str(cfg.path), tp_size=s.tp_size, mem_fraction_static=s.mem_fraction,
                               port=s.port + i, api_key=api_key, base_gpu_id=s.gpus[i * s.tp_size],
                               extra_args=(*flags, *s.extra_args), command=command)

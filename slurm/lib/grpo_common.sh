@@ -186,7 +186,8 @@ for name, m in c.reward.models.items():
     s = m.sglang
     if m.backend != "sglang" or s.urls or not s.gpus or not c.reward.combine.active(name):
         continue
-    flags = ["--is-embedding"] if m.kind == "reward_model" else []
+    # one --random-seed for all: Qwen2/3 classification heads keep a random bias HF checkpoints lack
+    flags = ["--is-embedding", "--random-seed", "0"] if m.kind == "reward_model" else []
     for i in range(len(s.gpus) // s.tp_size):
         rows.append((name, m.path, s.tp_size, s.gpus[i * s.tp_size], s.port + i, s.mem_fraction,
                      shlex.join([*flags, *s.extra_args])))
