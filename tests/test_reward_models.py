@@ -244,14 +244,47 @@ def _conversation(request):
 # ----- SGLang's own server code -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def servers(models, tmp_path_factory):
-    from tests.sglang_harness.fixtures import launch_servers, server_settings, sglang_python
+    """name -> URL of a harness server: qwen2, qwen3, judge started by the tests' launcher; llama by a
+    scorer itself (reward.models.<name>.sglang.gpus, the trainer's path), at the same time. The
+    launched scorer is "launched"; closing it at the end must stop its server."""
+    import threading
 
-    sglang_python()
-    names = [*ARCHITECTURES, "judge"]
+    from megatron_grpo.config.reward_models import ScorerServerConfig
+    from megatron_grpo.launch.env import free_server_port
+    from megatron_grpo.reward_models.build import build_scorer
+    from tests.sglang_harness.fixtures import HARNESS_FLAGS, launch_servers, server_command, server_settings
+
+    names = ["qwen2", "qwen3", "judge"]
     settings = [server_settings(models[name], deterministic=False) for name in names]
-    launcher = launch_servers(tmp_path_factory.mktemp("logs"), settings)
-    yield {name: s.url for name, s in zip(names, settings)}
-    launcher.shutdown(grace_s=5)
+    started: dict = {}
+
+    def start() -> None:
+        try:
+            started["launcher"] = launch_servers(tmp_path_factory.mktemp("logs"), settings)
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
+            started["error"] = exc
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    sglang = ScorerServerConfig(gpus=[0], port=free_server_port(), launch_command=[*server_command(), *HARNESS_FLAGS])
+    try:
+        launched = build_scorer("rm", scorer_config(models["llama"], backend="sglang", sglang=sglang),
+                                tmp_path_factory.mktemp("rm-logs"))
+    except BaseException:
+        thread.join()
+        if "launcher" in started:
+            started["launcher"].shutdown(grace_s=2)
+        raise
+    thread.join()
+    if "error" in started:
+        launched.close()
+        raise started["error"]
+    yield {**{name: s.url for name, s in zip(names, settings)}, "llama": launched.backend.urls[0],
+           "launched": launched}
+    [process] = launched.backend.launcher.processes
+    launched.close()
+    started["launcher"].shutdown(grace_s=2)
+    assert process.process.poll() is not None, "the scorer's close() left its server running"
 
 
 def sglang_scorer(name: str, folder: Path, urls, **fields):
@@ -321,6 +354,19 @@ def test_a_judge_scores_alike_through_sglang_and_in_process(models, servers):
     prompts = [here.renderer.ids(judge_messages(r, number), generation_prompt=True) for r in requests]
     assert [r.text for r in there.backend.generate(prompts, 6)] == [r.text for r in here.backend.generate(prompts, 6)]
     assert [(o.score, o.kind) for o in there.score(requests)] == [(o.score, o.kind) for o in here.score(requests)]
+
+
+def test_a_scorer_launches_its_servers_on_its_gpus(models, servers):
+    """reward.models.<name>.sglang.gpus without urls: the trainer's process started the llama server
+    (the servers fixture; the harness through sglang.launch_command) with SGLang's classification flags
+    and one seed, and scores through it as a scorer given its URL does (the fixture's teardown checks
+    that close() stops it)."""
+    launched = servers["launched"]
+    [process] = launched.backend.launcher.processes
+    assert " ".join(process.cmd).endswith("--base-gpu-id 0 --is-embedding --random-seed 0")
+    given = sglang_scorer("rm", models["llama"], [servers["llama"]])
+    requests = requests_of_the_task()[:4]
+    assert [o.score for o in launched.score(requests)] == [o.score for o in given.score(requests)]
 
 
 def test_dead_and_slow_rm_servers_follow_the_engine_fault_rules(models, servers):
