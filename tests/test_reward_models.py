@@ -131,6 +131,8 @@ def test_yes_no_is_the_yes_share_and_a_refusal_fails():
      "reward.combine.weights.rn: no such component"),
     (["reward.models.rm.path=/m", "reward.combine.weights={rule: 0, rm: 0}"], "every component weighs 0"),
     (["reward.models.rule.path=/m"], "reward.models.rule: a scorer's name"),
+    (["reward.models.rm.path=/m", "rollout.multi_turn.environment=lookup"],
+     "reward.models with rollout.multi_turn.environment='lookup' is not supported yet"),
 ])
 def test_a_bad_reward_model_config_is_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:

@@ -12,8 +12,12 @@ NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")  # a metric prefix and a dotted-o
 JUDGE_FIELDS = ("prompt", "response", "ground_truth")
 
 
-def reward_model_problems(models: dict[str, ModelScorerConfig], combine) -> list[str]:
+def reward_model_problems(models: dict[str, ModelScorerConfig], combine, environment: str | None = None) -> list[str]:
+    """`environment`: rollout.multi_turn.environment, whose trajectories its own rewards score."""
     out: list[str] = []
+    if models and environment is not None:
+        out.append(f"reward.models with rollout.multi_turn.environment={environment!r} is not supported yet: "
+                   "a multi-turn trajectory's reward is its environment's (unset reward.models)")
     for name, scorer in models.items():
         key = f"reward.models.{name}"
         if name == RULE or not NAME.match(name):

@@ -426,7 +426,7 @@ def _reward(c: Config, out: list[str]) -> None:
         out.append(f"reward.num_workers={r.num_workers} must be >= 0 (0 = in-process)")
     if r.timeout_s <= 0:
         out.append(f"reward.timeout_s={r.timeout_s} must be > 0")
-    out.extend(reward_model_problems(r.models, r.combine))
+    out.extend(reward_model_problems(r.models, r.combine, c.rollout.multi_turn.environment))
     b = r.overlong_buffer
     if b.enable:
         cap = overlong_cap(c)
