@@ -61,6 +61,8 @@
 #   GRPO_NET_IFNAME      NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (e.g. ib0, eth0)
 #                        [the interface that routes to the first trainer node]
 #   GRPO_RESUBMIT        1: resubmit after a USR1/TERM stop [0];  GRPO_MAX_RESUBMITS [5]
+#   GRPO_MAX_RESTARTS    restarts of the trainer step after a failure (a rank died or hung), in a row
+#                        without a newer checkpoint; 0: none (grpo_run_trainer)              [3]
 #   GRPO_SBATCH_ARGS     extra sbatch options for the resubmission (word-split) []
 #   TRAINER_STOP_GRACE_S seconds the trainer gets after a forwarded signal [100]
 #   SERVER_STOP_GRACE_S  seconds servers get between TERM and KILL [20]
@@ -161,7 +163,7 @@ values = dict(R_ENGINE=c.rollout.engine, R_MODEL_PATH=c.model.path or "", R_TP=s
               R_ROUTER=int(s.router), R_ROUTER_PORT=s.router_port, R_ROUTER_POLICY=s.router_policy,
               R_WEIGHT_SYNC=s.weight_sync, R_STARTUP_TIMEOUT=int(s.startup_timeout_s),
               R_DETERMINISTIC=int(s.deterministic_inference), R_FP32_LM_HEAD=int(c.model.fp32_lm_head),
-              R_NUM_URLS=len(s.urls),
+              R_NUM_URLS=len(s.urls), R_SAVE_DIR=c.checkpoint.save_dir or "",
               R_MODEL_PARALLEL=c.parallel.tensor * c.parallel.pipeline * c.parallel.context)
 for key, value in values.items():
     print(f"{key}={shlex.quote(str(value))}")
@@ -604,14 +606,17 @@ grpo_main() {
         fi
     fi
 
-    grpo_trainer_cmd
-    grpo_log "trainer: $(grpo_quote "${GRPO_LAUNCH[@]}" "${GRPO_CMD[@]}")"
+    grpo_run_trainer
+}
+
+# grpo_trainer_step: one srun step of the trainer, waited for; its exit code. A trapped USR1/TERM
+# ends `wait` early: the trainer (which got the signal through srun) gets TRAINER_STOP_GRACE_S to
+# checkpoint and exit, then its step is killed.
+grpo_trainer_step() {
+    local rc deadline
     "${GRPO_LAUNCH[@]}" "${GRPO_CMD[@]}" >> "$GRPO_LOG_FILE" 2>&1 &
     GRPO_TRAINER_PID=$!
-    local rc deadline
     wait "$GRPO_TRAINER_PID"; rc=$?
-    # `wait` returns early when a trapped signal arrives: give the trainer (which got the signal
-    # through srun) TRAINER_STOP_GRACE_S to checkpoint and exit, then kill the step.
     deadline=$(($(date +%s) + ${TRAINER_STOP_GRACE_S:-100}))
     while kill -0 "$GRPO_TRAINER_PID" 2>/dev/null; do
         if [ "$(date +%s)" -ge "$deadline" ]; then
@@ -622,9 +627,34 @@ grpo_main() {
     done
     [ -z "$GRPO_SIGNAL" ] || { wait "$GRPO_TRAINER_PID"; rc=$?; }
     GRPO_TRAINER_PID=""
-    if [ "$rc" != 0 ]; then
+    return "$rc"
+}
+
+# grpo_run_trainer: the trainer step, started again after a failure (a rank died, or the hang
+# watchdog stopped it: exit 3) on the same allocation while the engines and the router keep running,
+# up to GRPO_MAX_RESTARTS times in a row without a newer checkpoint. megatron_grpo.launch.restarts
+# decides and writes restarts.jsonl; the new trainer resumes from the newest complete checkpoint and
+# pushes its weights to the engines (as every resume does).
+grpo_run_trainer() {
+    local rc offset started decision extra=()
+    while :; do
+        grpo_trainer_cmd
+        GRPO_CMD+=("${extra[@]}")
+        grpo_log "trainer: $(grpo_quote "${GRPO_LAUNCH[@]}" "${GRPO_CMD[@]}")"
+        offset=$(stat -c %s "$GRPO_LOG_FILE" 2>/dev/null || echo 0); started=$(date +%s.%N)
+        grpo_trainer_step; rc=$?
+        [ "$rc" = 0 ] && return 0
         grpo_log "trainer failed with exit code $rc; last lines of rank 0's log:"
         tail -n 20 "$GRPO_LOG_DIR/trainer-0.log" 2>/dev/null | sed 's/^/    /'
-    fi
-    return "$rc"
+        [ -z "$GRPO_SIGNAL" ] || return "$rc"   # asked to stop: no restart (GRPO_RESUBMIT may resubmit)
+        [ "${GRPO_MAX_RESTARTS:-3}" -gt 0 ] || return "$rc"
+        decision=$("$GRPO_PYTHON" -m megatron_grpo.launch.restarts "$GRPO_RUN_DIR" --exit-code "$rc" \
+            --srun-log "$GRPO_LOG_FILE" --log-offset "$offset" --started "$started" \
+            --save-dir "${R_SAVE_DIR:-$GRPO_RUN_DIR/checkpoints}" --max-restarts "${GRPO_MAX_RESTARTS:-3}")
+        local decided=$?
+        grpo_log "$(head -n 1 <<< "$decision")"
+        [ "$decided" = 0 ] || return "$rc"
+        # continue from the run's own newest checkpoint (also when the first start was told another)
+        extra=(); [ "$(sed -n 's/^step=//p' <<< "$decision")" -gt 0 ] && extra=(checkpoint.resume=auto)
+    done
 }
