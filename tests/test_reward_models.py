@@ -327,6 +327,25 @@ def test_v1_classify_gives_probabilities_not_a_reward(models, servers):
     assert answers == [[1.0], [1.0]]
 
 
+def test_sglang_router_does_not_route_classify(servers, tmp_path):
+    """Why reward-model servers are given one by one (the client spreads and fails over itself):
+    the real sglang-router 0.3.2 in front of a classification server answers 404 to /classify."""
+    import urllib.error
+    import urllib.request
+
+    from tests.sglang_harness.fixtures import launch_router
+
+    router = launch_router(tmp_path / "router", [servers["llama"]])
+    try:
+        request = urllib.request.Request(router.router.url + "/classify", data=b'{"input_ids": [[1, 5, 7]]}',
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+    finally:
+        router.shutdown(grace_s=2)
+    assert refused.value.code == 404
+
+
 def test_a_judge_scores_alike_through_sglang_and_in_process(models, servers):
     """yes_no: P(yes) / (P(yes) + P(no)) of the first answer token equals HF's float64 value;
     number: SGLang's greedy answer is the in-process backend's, parsed the same way."""
