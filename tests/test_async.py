@@ -204,8 +204,8 @@ def _stop_after(rank, world_size, overrides, stop_step):
 
     step_fn = loop.grpo_step
 
-    def stopping(run, step, *args):
-        metrics = step_fn(run, step, *args)
+    def stopping(run, step, *args, **kwargs):
+        metrics = step_fn(run, step, *args, **kwargs)
         if step == stop_step:
             os.kill(os.getpid(), signal.SIGUSR1)
         return metrics

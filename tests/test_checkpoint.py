@@ -48,8 +48,8 @@ def _train(rank, world_size, overrides, signal_at_step=None, signal_rank=0, sig=
         captured["run"] = build_run(cfg)
         return captured["run"]
 
-    def step_then_signal(run, step, pipeline=None):
-        metrics = grpo_step(run, step, pipeline)
+    def step_then_signal(run, step, pipeline=None, **kwargs):
+        metrics = grpo_step(run, step, pipeline, **kwargs)
         if step == signal_at_step and rank == signal_rank:
             os.kill(os.getpid(), sig)
         return metrics

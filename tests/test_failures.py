@@ -79,9 +79,9 @@ def _train_with_poisoned_steps(rank, world_size, overrides, poisoned_steps):
     state = {"step": 0}
     grpo_step, compute_loss, build_run = loop.grpo_step, train_step.compute_grpo_loss, loop.build_run
 
-    def tracking_step(run, step, pipeline=None):
+    def tracking_step(run, step, pipeline=None, **kwargs):
         state["step"] = step
-        return grpo_step(run, step, pipeline)
+        return grpo_step(run, step, pipeline, **kwargs)
 
     def poisoned_loss(*args, **kwargs):
         output = compute_loss(*args, **kwargs)

@@ -32,8 +32,8 @@ def train_capturing(rank, world_size, overrides, stop_after=None, resave_dir=Non
         captured["run"] = build_run(cfg)
         return captured["run"]
 
-    def step_and_capture(run, step, pipeline=None):
-        metrics = grpo_step(run, step, pipeline)
+    def step_and_capture(run, step, pipeline=None, **kwargs):
+        metrics = grpo_step(run, step, pipeline, **kwargs)
         if run.is_main:
             captured["steps"][step] = engine_weights(run)
         if step == stop_after and rank == signal_rank:
