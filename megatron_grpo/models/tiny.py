@@ -70,6 +70,13 @@ def save_tiny_hf_model(architecture: str, path: str | Path, seed: int = 0, **ove
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_hf_config(architecture, **overrides), dtype=torch.float32)
+    _randomise(model)
+    model.save_pretrained(str(path))
+    return Path(path)
+
+
+def _randomise(model: torch.nn.Module) -> None:
+    """Every weight random (norms near 1), and GLM-4.5 / DeepSeek-V3's routing bias buffer too."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -77,10 +84,8 @@ def save_tiny_hf_model(architecture: str, path: str | Path, seed: int = 0, **ove
             else:
                 param.copy_(0.08 * torch.randn_like(param))
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # GLM-4.5 / DeepSeek-V3's routing bias
+            if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.08 * torch.randn_like(buffer))
-    model.save_pretrained(str(path))
-    return Path(path)
 
 
 def save_tiny_hf_reward_model(architecture: str, path: str | Path, seed: int = 0, **overrides) -> Path:
@@ -93,11 +98,6 @@ def save_tiny_hf_reward_model(architecture: str, path: str | Path, seed: int = 0
                             architectures=[causal.replace("ForCausalLM", "ForSequenceClassification")], **overrides)
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.copy_(0.08 * torch.randn_like(param))
+    _randomise(model)
     model.save_pretrained(str(path))
     return Path(path)
