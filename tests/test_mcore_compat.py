@@ -43,13 +43,19 @@ class _Records(logging.Handler):
 def quieted():
     saved_filters = warnings.filters[:]
     loggers = {name: logging.getLogger(name) for name in LOGGED}
-    saved = {name: (logger.filters[:], logger.handlers[:], logger.propagate) for name, logger in loggers.items()}
+    saved = {name: (logger.filters[:], logger.handlers[:], logger.propagate, logger.level)
+             for name, logger in loggers.items()}
+    for logger in loggers.values():
+        # what this test sees must not depend on the tests before it in this process (an in-process
+        # `megatron-grpo plan` sets the "megatron" logger to ERROR, which these loggers inherit)
+        logger.setLevel(logging.WARNING)
     mcore_compat.quiet_known_notices()
     mcore_compat.quiet_known_notices()  # idempotent: one filter per logger
     yield loggers
     warnings.filters[:] = saved_filters
-    for name, (filters, handlers, propagate) in saved.items():
+    for name, (filters, handlers, propagate, level) in saved.items():
         loggers[name].filters[:], loggers[name].handlers[:], loggers[name].propagate = filters, handlers, propagate
+        loggers[name].setLevel(level)
 
 
 def test_known_notices_are_dropped_and_nothing_else(quieted):
