@@ -396,8 +396,9 @@ class RewardStream:
             if self.feed.closed:
                 raise RuntimeError("RewardStream.submit after result()")
             tasks = self.runner._make_tasks(requests)
+            submitted_at = time.perf_counter()  # before the workers can see the tasks: latency >= 0
             ids = self.feed.add(tasks) if self._thread is not None else range(0)
-            self.submissions.append(_Submission(key, list(requests), ids, time.perf_counter()))
+            self.submissions.append(_Submission(key, list(requests), ids, submitted_at))
 
     def result(self) -> RewardBatchResult:
         """Every submitted request's score, in key order; metrics as RewardRunner.score's, plus
