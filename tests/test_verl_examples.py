@@ -35,6 +35,9 @@ REFUSED = {
     # a checkpoint's own Python code (custom tokenizer / model classes) is not run here yet
     "grpo_trainer/run_minicpmo2_6": "model.trust_remote_code=True",
     "grpo_trainer/run_moonlight16b_math_megatron": "model.trust_remote_code=True",
+    # verl's reward model runs on the trainer's own workers; here it is served by SGLang servers the
+    # translation cannot invent (its header and this line name the key to give)
+    "grpo_trainer/run_mistral13b_skyworkrm_hhrlhf": "reward.models.rm.sglang: give the servers' urls, or the gpus",
     # fp16 training would need loss scaling; bfloat16 is the supported half precision
     "dapo/test_dapo_8b_megatron_fp16": "model.dtype=float16 is not supported",
     "dapo/test_dapo_qwen3_moe_30b_megatron_fp16": "model.dtype=float16 is not supported",
