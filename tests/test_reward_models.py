@@ -249,43 +249,36 @@ def servers(models, tmp_path_factory):
     """name -> URL of a harness server: qwen2, qwen3, judge started by the tests' launcher; llama by a
     scorer itself (reward.models.<name>.sglang.gpus, the trainer's path), at the same time. The
     launched scorer is "launched"; closing it at the end must stop its server."""
-    import threading
-
     from megatron_grpo.config.reward_models import ScorerServerConfig
     from megatron_grpo.launch.env import free_server_port
     from megatron_grpo.reward_models.build import build_scorer
-    from tests.sglang_harness.fixtures import HARNESS_FLAGS, launch_servers, server_command, server_settings
+    from megatron_grpo.rollout.sglang.launcher import SGLangLauncher
+    from tests.sglang_harness.fixtures import HARNESS_FLAGS, harness_env, server_command, server_settings
 
     names = ["qwen2", "qwen3", "judge"]
     settings = [server_settings(models[name], deterministic=False) for name in names]
-    started: dict = {}
-
-    def start() -> None:
-        try:
-            started["launcher"] = launch_servers(tmp_path_factory.mktemp("logs"), settings)
-        except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
-            started["error"] = exc
-
-    thread = threading.Thread(target=start)
-    thread.start()
-    sglang = ScorerServerConfig(gpus=[0], port=free_server_port(), launch_command=[*server_command(), *HARNESS_FLAGS])
+    # Started from this (the main) thread, then waited for after the scorer's own server: a server
+    # started from a helper thread gets its parent-death SIGTERM when that thread ends
+    # (launch/lifetime.py), which is how an earlier version of this fixture lost its servers in CI.
+    started = SGLangLauncher(servers=settings, log_dir=tmp_path_factory.mktemp("logs"), env=harness_env())
+    started.start()
+    launched = None
     try:
+        sglang = ScorerServerConfig(gpus=[0], port=free_server_port(),
+                                    launch_command=[*server_command(), *HARNESS_FLAGS])
         launched = build_scorer("rm", scorer_config(models["llama"], backend="sglang", sglang=sglang),
                                 tmp_path_factory.mktemp("rm-logs"))
+        started.wait_healthy(timeout_s=300, poll_s=0.5)
     except BaseException:
-        thread.join()
-        if "launcher" in started:
-            started["launcher"].shutdown(grace_s=2)
+        if launched is not None:
+            launched.close()
+        started.shutdown(grace_s=2)
         raise
-    thread.join()
-    if "error" in started:
-        launched.close()
-        raise started["error"]
     yield {**{name: s.url for name, s in zip(names, settings)}, "llama": launched.backend.urls[0],
            "launched": launched}
     [process] = launched.backend.launcher.processes
     launched.close()
-    started["launcher"].shutdown(grace_s=2)
+    started.shutdown(grace_s=2)
     assert process.process.poll() is not None, "the scorer's close() left its server running"
 
 
