@@ -15,7 +15,11 @@ for the whole collective timeout without a word. Ours says what it waits for aft
 (which rank, how many more ranks, where, the deadline) and again every 30 s, and fails after
 $GRPO_RENDEZVOUS_TIMEOUT_S (600 s) with a LaunchError naming the address and the ranks that came.
 Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True) torchrun has already gathered the
-ranks, and torch's rendezvous is used as before.
+ranks: each rank joins that store as a client, under a prefix per restart attempt
+(TORCHELASTIC_RESTART_COUNT). torchrun keeps the store across `--max-restarts`, and the process
+groups' names repeat from one attempt to the next, so without the prefix the restarted ranks read
+the dead attempt's gloo addresses and fail to connect (measured: `torchrun --max-restarts 1` after
+a kill -9 of rank 1 failed in megatron's first new_group).
 
 Exit: a gloo worker thread releases a finished collective's tensors a moment after the caller's
 wait() returned, and that release takes the GIL. If the interpreter has begun finalizing by then,
@@ -114,7 +118,13 @@ def init_distributed(ranks: RankInfo | None = None, *, env: Mapping[str, str] | 
         store = _join_rendezvous(ranks, rendezvous_timeout_s(), timeout)
         dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=ranks.rank,
                                 world_size=ranks.world_size, timeout=timeout)
-    else:  # one process (port 0: it binds its own), or torchrun's agent gathered the ranks already
+    elif ranks.world_size > 1:  # torchrun's agent gathered the ranks; its store outlives a restart
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        store = dist.TCPStore(ranks.master_addr, ranks.master_port, ranks.world_size, is_master=False,
+                              timeout=timeout)
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"default_pg/attempt_{attempt}", store),
+                                rank=ranks.rank, world_size=ranks.world_size, timeout=timeout)
+    else:  # one process (port 0: it binds its own)
         dist.init_process_group(backend=backend, init_method=ranks.init_method, rank=ranks.rank,
                                 world_size=ranks.world_size, timeout=timeout)
     _register_exit_wait()
