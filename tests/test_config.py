@@ -638,12 +638,15 @@ def test_rollout_ranges_equal_the_engines(key, value):
     assert error_of(validate, valid("rollout.temperature=0")).startswith("rollout.temperature=0.0 must be > 0")
 
 
-def test_routing_replay_with_sglang_is_refused_until_the_client_reads_the_routes():
+def test_routing_replay_with_sglang_is_refused_only_behind_a_router():
+    """The client reads SGLang's return_routed_experts (tests/test_sglang_routing_replay.py);
+    sglang-router 0.3.2 drops the field."""
     moe = ["model.override_config.model_type=qwen3_moe", "model.override_config.num_experts=8",
            "actor.moe_routing_replay=true"]
     validate(valid(*moe))
-    message = error_of(validate, valid(*moe, "rollout.engine=sglang"))
-    assert "actor.moe_routing_replay=true with rollout.engine=sglang" in message
+    validate(valid(*moe, "rollout.engine=sglang"))
+    message = error_of(validate, valid(*moe, "rollout.engine=sglang", "rollout.sglang.router=true"))
+    assert message.startswith("actor.moe_routing_replay=true with the sglang-router")
 
 
 def test_sampling_replay_follows_truncation_and_the_engine():

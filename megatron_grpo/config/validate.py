@@ -116,9 +116,14 @@ def _parallel(c: Config, out: list[str]) -> None:
     if dense is not None and c.actor.moe_routing_replay:
         out.append(f"actor.moe_routing_replay=true: model_type {dense!r} has no experts (routing replay needs a "
                    f"mixture-of-experts model); set it to false")
-    if c.actor.moe_routing_replay and c.rollout.engine == "sglang":
-        out.append("actor.moe_routing_replay=true with rollout.engine=sglang: the SGLang client does not read "
-                   "SGLang's return_routed_experts yet; replay works with the local engine")
+    if c.actor.moe_routing_replay and c.rollout.engine == "sglang" and (c.rollout.sglang.router
+                                                                         or c.rollout.sglang.router_url):
+        # sglang-router 0.3.2 forwards /generate without return_routed_experts (measured,
+        # tests/test_sglang_routing_replay.py): no routes would come back
+        out.append("actor.moe_routing_replay=true with the sglang-router (rollout.sglang.router / router_url): the "
+                   "router drops return_routed_experts, so no routes would come back; set "
+                   "rollout.sglang.router=false and no router_url (the trainer spreads requests over the engines "
+                   "itself)")
     if (c.actor.moe_routing_replay and c.model.recompute_granularity == "full" and p.pipeline > 1):
         out.append("actor.moe_routing_replay=true with model.recompute_granularity=full and parallel.pipeline > 1: "
                    "a recomputed layer would replay a later micro-batch's routes; use selective or none")

@@ -78,9 +78,20 @@ class GenerationRequest:
     # Sampling-support replay (rollout.sampling_replay): every response token comes back with the
     # ids the engine could have drawn it from (Sample.sampling_support).
     return_support: bool = False
+    # Routing replay from SGLang (actor.moe_routing_replay): (num_hidden_layers, num_experts_per_tok)
+    # of the MoE model; the request asks for SGLang's return_routed_experts and each Sample carries
+    # them (Sample.routed_experts) in that shape. None: not asked. The local engine records routes by
+    # its own setting (record_routed_experts) and ignores this.
+    routed_experts_shape: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        if self.routed_experts_shape is not None:
+            shape = tuple(int(d) for d in self.routed_experts_shape)
+            if len(shape) != 2 or min(shape) < 1:
+                raise ValueError(f"request {self.group_id!r}: routed_experts_shape must be (num_layers, top_k) >= 1, "
+                                 f"got {self.routed_experts_shape}")
+            object.__setattr__(self, "routed_experts_shape", shape)
         if not self.prompt_ids:
             raise ValueError(f"request {self.group_id!r}: prompt_ids is empty")
 
@@ -105,8 +116,10 @@ class Sample:
     weight_version: int
     matched_stop: int | str | None = None  # the stop token id or stop string that ended it
     # MoE engines: the experts every position was routed to, SGLang's return_routed_experts layout:
-    # int32 [len(prompt) + len(response) - 1, num_hidden_layers, top_k] (-1 on dense layers); the
-    # last token is never fed back, so it has none. None: a dense model, or not asked for.
+    # int32 [len(prompt) + len(response) - 1, num_hidden_layers, top_k]; the last token is never fed
+    # back, so it has none. Dense layers hold -1 (local engine) or 0 (SGLang: its capture buffer is
+    # never written there); nothing reads them, the trainer replays MoE layers only. None: a dense
+    # model, or not asked for.
     routed_experts: Any = None
     # Truncated sampling: per response token, the log-prob it was sampled with (see above); None
     # where the engine cannot tell (then `logprobs` is the best known behaviour log-prob).

@@ -28,6 +28,10 @@ What runs here is SGLang's code too, except the loop and the forward pass:
   committing the token, as SGLang's `process_batch_result_decode` does (overflow: HTTP 400 naming
   `--sampling-mask-max-tokens`; invalid: 500). `--enable-fp32-lm-head` is accepted (the harness
   computes fp32 logits anyway);
+- routed experts (`return_routed_experts`, `routed_experts_start_len`): SGLang's own checks of
+  `Scheduler._handle_generate_request` (an out-of-range start aborts the request), its capturer
+  and `_maybe_collect_routed_experts`, only with `--enable-return-routed-experts` (without it SGLang
+  ignores the field); the routes are the HF MoE routers' own choices (routed_experts.py);
 - weight updates, the begin/end session, release/resume tag bookkeeping, `/weights_checker` and
   `/get_weights_by_name` are SGLang's `SchedulerWeightUpdaterManager`, `WeightUpdater`,
   `WeightChecker` and `WeightExporter`, including `init_custom_process_group` + broadcast receive
@@ -180,6 +184,7 @@ class Running:
         self.past_key_values = past_key_values
         self.batch = OneRequestBatch(req)  # the batch info's penalizers hold it by a weak reference
         self.sampling_info = None
+        self.fed = False  # whether a forward (SGLang's prefill) has run for it
 
 
 class CpuScheduler:
@@ -206,6 +211,12 @@ class CpuScheduler:
         self.model_config = ModelConfig.from_server_args(server_args)
         self.tokenizer = get_tokenizer(get_serving().tokenizer_path or server_args.model_path)
         self.runner = CpuModelRunner(server_args, self.model_config, self.tp_rank)
+        self.routes = None  # SGLang's routed-experts capture (--enable-return-routed-experts), rank 0
+        if self.model_config.is_generation and self.tp_rank == 0:
+            from tests.sglang_harness.routed_experts import RoutedExpertsCapture
+
+            self.routes = RoutedExpertsCapture.create(self.runner.model, self.model_config)
+        self.req_to_token_pool = self.routes.req_to_token_pool if self.routes is not None else None
         self.sampler = make_sampler(self.tp_size)
         self.memory_saver = CpuMemorySaver(lambda: self.runner.model)
         self.disaggregation_mode = DisaggregationMode.NULL
@@ -254,6 +265,7 @@ class CpuScheduler:
         self.add_sampling_mask_return_values = processor.add_sampling_mask_return_values.__get__(self)
         self._reject_sampling_mask_request = Scheduler._reject_sampling_mask_request.__get__(self)
         self._convert_embeddings = processor._convert_embeddings.__get__(self)
+        self._maybe_collect_routed_experts = processor._maybe_collect_routed_experts.__get__(self)
 
     def init_info(self) -> dict[str, Any]:
         return {"status": "ready", "max_total_num_tokens": MAX_TOTAL_NUM_TOKENS,
@@ -389,11 +401,17 @@ class CpuScheduler:
         req = item.req
         if req.to_finish is not None:
             req.update_finish_state(0)
+            self._finished_routes(req, collect=True)
             return
+        prefill, locations = not item.fed, None
+        if self.routes is not None:  # the KV locations of the tokens this step feeds
+            fed = len(req.origin_input_ids) + len(req.output_ids) if prefill else 1
+            locations = self.routes.feed(self.runner.model, req, fed)
+        item.fed = True
         if self.faults.instant:
             token, logprob, logits_output, logprobs = self._instant_token(req)
         else:
-            token, logprob, logits_output, logprobs = self._forward_and_sample(item)
+            token, logprob, logits_output, logprobs = self._forward_and_sample(item, locations)
         # SGLang's SchedulerBatchResultProcessor.process_batch_result_decode (and _prefill) for one row:
         # an unusable sampling mask finishes the request without committing the sampled token.
         if req.return_sampling_mask:
@@ -403,6 +421,8 @@ class CpuScheduler:
             if finish_reason is not None:
                 req.to_finish = finish_reason
                 req.update_finish_state(0)
+                # SGLang collects routes of a request finished in decode, not of one discarded at prefill
+                self._finished_routes(req, collect=not prefill)
                 return
         req.output_ids.append(token)
         req.update_finish_state(1)
@@ -415,6 +435,17 @@ class CpuScheduler:
             self._add_requested_logprobs(req, logprobs)
         if req.return_sampling_mask:
             self.add_sampling_mask_return_values(0, req, logits_output)
+        if req.finished():
+            self._finished_routes(req, collect=True)
+
+    def _finished_routes(self, req, collect: bool) -> None:
+        """A finished request: SGLang's _maybe_collect_routed_experts (if it ran a forward), then its
+        KV locations are released."""
+        if self.routes is None:
+            return
+        if collect and req.kv.req_pool_idx is not None:
+            self._maybe_collect_routed_experts(req)
+        self.routes.release(req)
 
     @staticmethod
     def _add_requested_logprobs(req, logprobs: torch.Tensor) -> None:
@@ -448,9 +479,10 @@ class CpuScheduler:
         logprobs[0, self.instant_token] = 0.0
         return self.instant_token, 0.0, output, logprobs
 
-    def _forward_and_sample(self, item: Running):
+    def _forward_and_sample(self, item: Running, locations=None):
         """One HF forward of the request (its whole sequence at first, then the last token on the
-        cache) and SGLang's sampling of its next token: (token, log-prob, LogitsProcessorOutput, log-probs)."""
+        cache) and SGLang's sampling of its next token: (token, log-prob, LogitsProcessorOutput, log-probs).
+        `locations`: the fed tokens' KV locations when routed experts are captured."""
         from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
         req = item.req
@@ -462,6 +494,8 @@ class CpuScheduler:
         out = self.runner.model(input_ids=torch.tensor([tokens]), past_key_values=item.past_key_values,
                                 use_cache=True)
         item.past_key_values = out.past_key_values
+        if locations is not None:
+            self.routes.forward_end(locations)
         position = len(req.origin_input_ids) + len(req.output_ids)
         if item.sampling_info is None:
             # SGLang's own batch info of this request: temperatures, top_ks / top_ps / min_ps, the seed
@@ -520,6 +554,8 @@ class CpuScheduler:
                   return_logprob=recv_req.return_logprob, top_logprobs_num=recv_req.top_logprobs_num,
                   token_ids_logprob=recv_req.token_ids_logprob, return_sampling_mask=recv_req.return_sampling_mask,
                   sampling_logprobs_mode=recv_req.sampling_logprobs_mode, stream=recv_req.stream,
+                  return_routed_experts=recv_req.return_routed_experts,
+                  routed_experts_start_len=recv_req.routed_experts_start_len,
                   eos_token_ids=self.model_config.hf_eos_token_id, vocab_size=self.model_config.vocab_size,
                   http_worker_ipc=recv_req.http_worker_ipc, time_stats=recv_req.time_stats)
         req.tokenizer = self.tokenizer
@@ -541,6 +577,27 @@ class CpuScheduler:
                     "--sampling-mask-max-tokens."
                 )
                 self._reject_sampling_mask_request(req, error_msg)
+                return
+        if recv_req.return_routed_experts:
+            # SGLang's Scheduler._handle_generate_request, line for line
+            error_msg = None
+            if recv_req.routed_experts_start_len < 0:
+                error_msg = (
+                    f"{recv_req.routed_experts_start_len=} is lower than 0. "
+                    "Please use a non-negative routed_experts_start_len."
+                )
+
+            if recv_req.routed_experts_start_len > len(req.origin_input_ids):
+                error_msg = (
+                    f"{recv_req.routed_experts_start_len=} is higher than the "
+                    f"number of input tokens {len(req.origin_input_ids)=}. Please "
+                    f"use a smaller routed_experts_start_len."
+                )
+
+            if error_msg is not None:
+                req.routed_experts_start_len = 0
+                req.set_finish_with_abort(error_msg)
+                self.waiting.append(req)  # SGLang's _add_request_to_queue: it finishes as aborted
                 return
         if len(req.origin_input_ids) >= self.model_config.context_len:
             req.set_finish_with_abort(f"the input ({len(req.origin_input_ids)} tokens) is longer than the "

@@ -33,6 +33,10 @@ class EngineOptions:
     health_check_interval_s: float = 30.0  # background /health_generate probe; 0 = off
     health_check_timeout_s: float = 60.0
     min_engines: int = 1
+    # Routing replay (actor.moe_routing_replay): (num_hidden_layers, num_experts_per_tok) of the MoE
+    # model; every request asks for SGLang's return_routed_experts (the servers need
+    # --enable-return-routed-experts) and each sample carries its routes. None: not asked.
+    routed_experts_shape: tuple[int, int] | None = None
     # Asynchronous GRPO: a weight update aborts the requests in flight (pause_generation mode=abort);
     # True resubmits their groups, which SGLang holds until generation continues, so they come back
     # whole from the new weights (the partial work is lost). False returns them as 'abort' samples.
@@ -94,6 +98,9 @@ class SGLangEngine(RolloutEngine, ColocatedWeightUpdates):
                  on_request_done: RequestDone | None = None) -> list[Sample]:
         if not self.options.send_seeds:
             requests = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, seed=None)) for r in requests]
+        if self.options.routed_experts_shape is not None:
+            requests = [dataclasses.replace(r, routed_experts_shape=self.options.routed_experts_shape)
+                        for r in requests]
         self._stopping = False
         if not self.options.resubmit_aborted:
             return self.generate_client.generate(requests, on_request_done)

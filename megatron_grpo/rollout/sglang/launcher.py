@@ -61,6 +61,9 @@ class ServerSettings:
     # SGLang ignores sampling_seed without it; costs throughput (docs/rollout.md: seeded rollouts).
     enable_deterministic_inference: bool = False
     enable_fp32_lm_head: bool = False  # model.fp32_lm_head: the LM head in fp32, as the trainer's
+    # actor.moe_routing_replay: SGLang records each token's experts and returns them when a request
+    # asks (return_routed_experts); without the flag it ignores the request field.
+    enable_return_routed_experts: bool = False
     extra_args: tuple[str, ...] = ()
     # What starts one server; its flags follow. Tests point it at the SGLang test harness.
     command: tuple[str, ...] = (sys.executable, "-m", "sglang.launch_server")
@@ -84,6 +87,8 @@ def server_command(settings: ServerSettings) -> list[str]:
         cmd += ["--enable-deterministic-inference"]
     if settings.enable_fp32_lm_head:
         cmd += ["--enable-fp32-lm-head"]
+    if settings.enable_return_routed_experts:
+        cmd += ["--enable-return-routed-experts"]
     return cmd + list(settings.extra_args)
 
 

@@ -9,12 +9,25 @@ builds the mask only for top_k == 1 or 1 < top_k <= its --sampling-mask-max-toke
 anything else is refused with HTTP 400), so without a finite top_k no mask is asked for (and a request
 that needs supports fails here, before anything is sent); a support larger than that cap (ties at the
 cut-off) aborts the request with HTTP 400, which the client reports without retrying
-(`sampling_mask_error`)."""
+(`sampling_mask_error`).
+
+Routing replay (GenerationRequest.routed_experts_shape): the request asks for
+`return_routed_experts` (SGLang 0.5.23, io_struct.GenerateReqInput; `routed_experts_start_len` left at
+0: the whole sequence). A server started with `--enable-return-routed-experts` answers, per sample, in
+`meta_info["routed_experts"]`: base64 of int32 [len(prompt) + len(output) - 1, num_hidden_layers,
+num_experts_per_tok] in C order (its scheduler's `_maybe_collect_routed_experts` reads positions
+[0, seqlen - 1) of its capture buffer; the detokenizer base64-encodes `tensor.numpy().tobytes()`),
+logical expert ids, 0 on dense layers. Without the server flag SGLang ignores the request field
+(no key in meta_info); a missing key is an error here (`_parse_routed_experts`)."""
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import math
 from typing import Any
+
+import numpy as np
 
 from megatron_grpo.rollout.sglang.errors import SGLangError
 from megatron_grpo.rollout.types import GenerationRequest, Sample, SamplingParams, derive_sample_seed
@@ -48,6 +61,8 @@ def generate_payloads(request: GenerationRequest) -> list[tuple[int, dict[str, A
     base = {"input_ids": list(request.prompt_ids), "return_logprob": True, "logprob_start_len": -1}
     if wants_sampling_mask(request):
         base.update(return_sampling_mask=True, sampling_logprobs_mode="selected")
+    if request.routed_experts_shape is not None:
+        base["return_routed_experts"] = True
     if params.seed is None:
         return [(0, {**base, "sampling_params": sampling_params_payload(params, params.n, None)})]
     return [(j, {**base, "sampling_params": sampling_params_payload(params, 1, derive_sample_seed(params.seed, j))})
@@ -141,11 +156,42 @@ def _parse_item(item: Any, request: GenerationRequest, index: int, where: str, e
         logprobs.append(float(row[0]))
     behaviour, support = (_parse_sampling_mask(meta, output_ids, request, where, finish_type == "abort")
                           if mask else (None, None))
+    routes = (_parse_routed_experts(meta, len(output_ids), request, where, finish_type == "abort")
+              if request.routed_experts_shape is not None else None)
     return Sample(group_id=request.group_id, sample_index=index, prompt_ids=list(request.prompt_ids),
                   response_ids=output_ids, logprobs=logprobs, finish_reason=finish_type,
                   weight_version=parse_weight_version(meta.get("weight_version"), where),
                   matched_stop=finish.get("matched") if isinstance(finish, dict) else None,
-                  behaviour_logprobs=behaviour, sampling_support=support, engine=engine)
+                  routed_experts=routes, behaviour_logprobs=behaviour, sampling_support=support, engine=engine)
+
+
+def _parse_routed_experts(meta: dict, num_output: int, request: GenerationRequest, where: str,
+                          aborted: bool) -> np.ndarray | None:
+    """int32 [len(prompt) + num_output - 1, num_layers, top_k] from SGLang's `meta_info["routed_experts"]`.
+
+    Missing where a request was aborted before it finished in SGLang (its samples are dropped or
+    resubmitted anyway): None. Missing otherwise: the server runs without
+    --enable-return-routed-experts (SGLang then ignores return_routed_experts), or a router in front
+    of it dropped the field (sglang-router 0.3.2 does): an error naming both."""
+    value = meta.get("routed_experts")
+    if value is None:
+        if aborted:
+            return None
+        raise SGLangError(f"{where}: no routed_experts for {request.group_id!r} although it asked for them "
+                          f"(return_routed_experts, actor.moe_routing_replay=true): start the SGLang servers with "
+                          f"--enable-return-routed-experts (without it SGLang ignores the request), and send "
+                          f"/generate to the engines directly, not through sglang-router (0.3.2 drops the field)")
+    layers, top_k = request.routed_experts_shape
+    positions = len(request.prompt_ids) + num_output - 1
+    try:
+        flat = np.frombuffer(base64.b64decode(value, validate=True), dtype=np.int32)
+    except (binascii.Error, TypeError, ValueError) as exc:
+        raise SGLangError(f"{where}: routed_experts of {request.group_id!r} is not base64 of int32: {exc}") from None
+    if flat.size != positions * layers * top_k:
+        raise SGLangError(f"{where}: routed_experts of {request.group_id!r} holds {flat.size} ids, expected "
+                          f"{positions} positions (prompt + output - 1) x {layers} layers x top-{top_k} = "
+                          f"{positions * layers * top_k} (does the server serve this model?)")
+    return flat.reshape(positions, layers, top_k).copy()  # writable, and owns its memory
 
 
 def _parse_sampling_mask(meta: dict, output_ids: list[int], request: GenerationRequest, where: str,

@@ -21,8 +21,9 @@ from megatron_grpo.errors import ConfigError, MegatronGRPOError
 log = logging.getLogger(__name__)
 
 
-def check_sglang_model(model_dir: Path) -> None:
-    """ConfigError when SGLang's model class for this checkpoint would serve other math than ours."""
+def check_sglang_model(model_dir: Path):
+    """ConfigError when SGLang's model class for this checkpoint would serve other math than ours;
+    else the model's ModelArchitecture."""
     from megatron_grpo.models.hf_config import ModelArchitecture
 
     model = ModelArchitecture.from_hf(model_dir)
@@ -31,10 +32,21 @@ def check_sglang_model(model_dir: Path) -> None:
                           f"{list(model.dense_layers)} (mlp_only_layers / decoder_sparse_step): SGLang 0.5.23's "
                           f"{model.spec.hf_class} builds every layer sparse and skips their weights; use "
                           f"rollout.engine=local")
+    return model
+
+
+def routed_experts_shape(cfg: Config, model) -> tuple[int, int] | None:
+    """(num_hidden_layers, num_experts_per_tok) when the trainer replays the engines' routes (the
+    layout of SGLang's return_routed_experts), else None."""
+    if not cfg.actor.moe_routing_replay:
+        return None
+    if not model.moe_layers:
+        raise ConfigError(f"actor.moe_routing_replay=true: model_type {model.architecture!r} has no experts")
+    return model.num_layers, model.moe_top_k
 
 
 def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
-    check_sglang_model(model_dir)
+    routes_shape = routed_experts_shape(cfg, check_sglang_model(model_dir))
     from megatron_grpo.rollout.sglang.client import SGLangClient
     from megatron_grpo.rollout.sglang.engine import EngineOptions, SGLangEngine
     from megatron_grpo.rollout.sglang.http_json import RetryPolicy
@@ -65,6 +77,7 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
                                   base_gpu_id=i * s.tp_size if s.weight_sync == "tensor" else None,
                                   enable_deterministic_inference=s.deterministic_inference,
                                   enable_fp32_lm_head=cfg.model.fp32_lm_head,
+                                  enable_return_routed_experts=routes_shape is not None,
                                   extra_args=tuple(s.extra_args), command=command)
                    for i in range(s.num_engines)]
         router = None
@@ -106,12 +119,13 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
         engine = SGLangEngine(client, transport, generate_client=generate_client, pool=pool, options=EngineOptions(
             send_seeds=s.deterministic_inference, verify_interval=s.verify_interval,
             health_check_interval_s=s.health_check_interval_s, health_check_timeout_s=s.health_check_timeout_s,
-            min_engines=s.min_engines, resubmit_aborted=cfg.rollout.max_staleness > 0), launcher=launcher)
+            min_engines=s.min_engines, resubmit_aborted=cfg.rollout.max_staleness > 0,
+            routed_experts_shape=routes_shape), launcher=launcher)
         health = engine.health()
         if not health:
             raise MegatronGRPOError(f"SGLang engines are not healthy at start: {health.detail}")
         _check_server_flags(client, urls, deterministic=s.deterministic_inference,
-                            fp32_lm_head=cfg.model.fp32_lm_head)
+                            fp32_lm_head=cfg.model.fp32_lm_head, routed_experts=routes_shape is not None)
     except BaseException:
         client.close()
         if launcher is not None:
@@ -124,10 +138,12 @@ def _restarter(launcher, index: int, timeout_s: float):
     return lambda: launcher.restart(index, timeout_s=timeout_s)
 
 
-def _check_server_flags(client, urls: list[str], *, deterministic: bool, fp32_lm_head: bool) -> None:
+def _check_server_flags(client, urls: list[str], *, deterministic: bool, fp32_lm_head: bool,
+                        routed_experts: bool = False) -> None:
     """Each server's /server_info against the recipe: a server without --enable-deterministic-inference
     ignores the seeds the trainer sends (a warning); an LM head in another precision than the
-    trainer's (model.fp32_lm_head) is a mismatch on every token (an error)."""
+    trainer's (model.fp32_lm_head) is a mismatch on every token (an error); with routing replay, a
+    server without --enable-return-routed-experts ignores return_routed_experts (an error)."""
     from megatron_grpo.rollout.sglang.errors import SGLangError
 
     for url in urls:
@@ -141,6 +157,11 @@ def _check_server_flags(client, urls: list[str], *, deterministic: bool, fp32_lm
             log.warning("%s runs without --enable-deterministic-inference: it ignores sampling_seed, so rollouts "
                         "are not reproducible (start it with that flag, or set "
                         "rollout.sglang.deterministic_inference=false to stop sending seeds)", url)
+        if routed_experts and not info.get("enable_return_routed_experts"):
+            raise MegatronGRPOError(
+                f"{url} runs without --enable-return-routed-experts but actor.moe_routing_replay=true: SGLang "
+                f"ignores return_routed_experts without it, so no routes would come back (restart the server with "
+                f"the flag, or set actor.moe_routing_replay=false)")
         engine_fp32 = bool(info.get("enable_fp32_lm_head"))
         if engine_fp32 != fp32_lm_head:
             raise MegatronGRPOError(
