@@ -270,7 +270,10 @@ class ActorConfig:
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     tis_cap: Optional[float] = None  # truncated importance sampling vs rollout log-probs; None = off
     # MoE rollout routing replay (R3): the trainer's forward uses the experts the engine routed each
-    # token to (gate weights from the trainer's router; models/routing_replay.py). verl: router_replay.mode=R3
+    # token to (gate weights from the trainer's router; models/routing_replay.py). verl: router_replay.mode=R3.
+    # Local engine: hooks on its routers; SGLang: return_routed_experts (launched engines get
+    # --enable-return-routed-experts, URL-given ones must have it; not behind sglang-router, which drops
+    # the field). Refused with model.recompute_granularity=full at parallel.pipeline > 1 (docs/rollout.md).
     moe_routing_replay: bool = False
     # is_level auto (the default): token-level truncated IS when rollout.max_staleness > 0 (config/off_policy.py)
     off_policy: OffPolicySection = field(default_factory=OffPolicySection)
