@@ -3,14 +3,21 @@ megatron's routers: per layer the tokens each expert received, the router's entr
 Switch load-balancing loss, summed over micro-batches and reduced over all ranks.
 
 Per layer l, with T routed positions (padding included: the router sees it), k experts per token,
-E experts, p_t = softmax(router logits of position t) and c_e the positions dispatched to expert e
-(the routing map the layer used: the engine's experts under routing replay):
+E experts, p_t the router's score distribution over the E experts at position t and c_e the
+positions dispatched to expert e (the routing map the layer's router returned: top-k of the
+scores, plus the expert bias and within the chosen groups for GLM-4.5 / DeepSeek-V3's sigmoid
+routers; the engine's experts under routing replay):
   load_max_over_mean_l = max_e c_e / mean_e c_e          (1 = perfectly balanced)
   router_entropy_l     = mean_t H(p_t)  (nats; log E = uniform)
   aux_loss_l           = E / (k T^2) * sum_e c_e * sum_t p_te   (megatron's switch aux loss without
                          its coefficient, over the whole pass's positions at once)
   dropped_frac         = 1 - sum_e c_e / (k T)   (0 without a capacity factor: nothing is dropped)
   replayed_frac        = positions routed by the engine's recorded experts / T
+p_t is megatron's score distribution for its aux losses (moe_utils.compute_routing_scores_for_aux_loss):
+softmax(logits) for a softmax router; for a sigmoid router sigmoid(logits) normalised to sum 1
+over the experts (no bias: the bias only chooses). A sigmoid router's own aux loss would count
+the top-k of those unbiased scores; here c_e is always the routing actually used, so aux_loss is
+the balance of the dispatch (GLM-4.5 trains no aux loss: the metric is a diagnostic only).
 Reported: the mean over MoE layers of each, and the worst layer's load (moe/load_max_over_mean_worst).
 The sums are reduced over all ranks (a stage's absent layers add zeros); TP ranks without sequence
 parallelism see the same positions, which scales every sum of a layer alike and leaves the ratios
@@ -61,7 +68,7 @@ class RouterStats:
         hidden = args[0].detach()
         logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).float(), router.weight.float(),
                                             None if router.bias is None else router.bias.float())
-        probs = torch.softmax(logits, dim=-1)
+        probs = router_scores(logits, router.config.moe_router_score_function)
         routing_map = output[1].reshape(logits.shape[0], -1)
         row = self.sums[layer]
         experts = self.num_experts
@@ -96,3 +103,14 @@ class RouterStats:
                 "moe/aux_loss": float(aux.mean()),
                 "moe/dropped_frac": float((1 - counts.sum(dim=1) / (k * tokens)).mean()),
                 "moe/replayed_frac": float((sums[:, _REPLAYED] / tokens).mean())}
+
+
+def router_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """The router's score distribution over the experts per position ([T, E], rows summing to 1):
+    megatron-core's scores for its aux losses (moe_utils.compute_routing_scores_for_aux_loss)."""
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if score_function == "sigmoid":
+        scores = torch.sigmoid(logits)
+        return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    raise ValueError(f"moe metrics: router score function {score_function!r} is not supported")
