@@ -160,7 +160,7 @@ def _train(rank, world_size, overrides):
 def test_trainer_replays_the_routes_sglang_returns(servers, models, tmp_path):
     """A GRPO step with rollout.engine=sglang and actor.moe_routing_replay=true against the GLM-4.5
     server (sigmoid router, group-limited top-k, a dense layer): the MoE layers replay every
-    recorded position (moe/replayed_frac: all but the last token and padding), and the trainer's
+    recorded position (moe/replayed_frac 0.95: all but the last token and padding), and the trainer's
     log-probs equal the engine's."""
     from megatron_grpo.testing.distributed import run_distributed
 
@@ -171,11 +171,12 @@ def test_trainer_replays_the_routes_sglang_returns(servers, models, tmp_path):
                  "actor.ppo_mini_batch_size=4", "rollout.n=2", "logging.console=false", "logging.plot=false",
                  "eval.interval=-1", "rollout.sglang.health_check_interval_s=0", f"logging.output_dir={run}"]
     records = run_distributed(_train, 1, (overrides,), timeout=300, env=harness_env())[0]
+    print({k: [r[k] for r in records] for k in ("moe/replayed_frac", "actor/logprob_abs_diff_max")})
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
         assert record["rollout/weight_version_min"] == record["step"] - 1
         assert record["actor/logprob_abs_diff_max"] < 1e-4, record["actor/logprob_abs_diff_max"]
-        assert record["moe/replayed_frac"] > 0.5, record["moe/replayed_frac"]
+        assert record["moe/replayed_frac"] > 0.9, record["moe/replayed_frac"]
 
 
 def test_replay_with_sglang_validates_and_refuses_only_a_router():
