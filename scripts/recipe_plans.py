@@ -3,6 +3,7 @@ tests/data/recipe_plans.json, rewrites each recipe's "-> memory plan" comment fr
 tests/test_memory_plan.py checks they agree) and prints the README's table (markdown).
 
     .venv/bin/python scripts/recipe_plans.py                   # ~4 min on 2 cores
+    .venv/bin/python scripts/recipe_plans.py RECIPE [RECIPE]   # plans only these, keeps the others' figures
     .venv/bin/python scripts/recipe_plans.py --from-json       # comments + table from the JSON only
 """
 from __future__ import annotations
@@ -69,8 +70,17 @@ def main() -> int:
     from megatron_grpo.plan.summary import summary
 
     quiet_third_party()
+    clusters = sbatch_clusters()
+    only = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
+    unknown = sorted(set(only) - set(clusters))
+    if unknown:
+        raise SystemExit(f"not a planned recipe (no sbatch script launches it): {', '.join(unknown)}")
+    known = json.loads(OUT.read_text()) if only and OUT.is_file() else {}
     plans = {}
-    for recipe, (nodes, gpus) in sbatch_clusters().items():
+    for recipe, (nodes, gpus) in clusters.items():
+        if only and recipe not in only and recipe in known:
+            plans[recipe] = known[recipe]
+            continue
         print(f"{recipe}: {nodes} nodes x {gpus} GPUs", file=sys.stderr, flush=True)
         plan = plan_recipe(load_config(recipe), Cluster(nodes, gpus, GPU_SIZES_GIB[0]))
         plans[recipe] = {"nodes": nodes, "gpus_per_node": gpus, **summary(plan)}
