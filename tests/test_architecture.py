@@ -118,7 +118,7 @@ def test_only_convert_knows_hf_parameter_names():
 
 THIRD_PARTY = ("megatron", "torch", "transformers", "safetensors", "sglang")
 PATCHING_MODULES = {Path("launch/cpu.py"), Path("launch/lifetime.py"), Path("launch/safe_dcp.py"),
-                    Path("plan/fake_rank.py")}
+                    Path("launch/mcore_compat.py"), Path("plan/fake_rank.py")}
 
 
 def _patches(tree):

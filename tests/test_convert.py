@@ -165,8 +165,8 @@ def test_valid_sharded_folder_passes(sharded_qwen2):
 def test_wrong_architecture(sharded_qwen2):
     config = json.loads((sharded_qwen2 / "config.json").read_text())
     (sharded_qwen2 / "config.json").write_text(json.dumps(dict(config, model_type="gpt2")))
-    with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported; supported: glm4_moe, llama, qwen2, "
-                                          "qwen2_moe, qwen3"):
+    with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported; supported: deepseek_v3, glm4_moe, "
+                                          "llama, qwen2, qwen2_moe, qwen3"):
         _validate(sharded_qwen2)
 
 

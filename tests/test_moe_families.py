@@ -212,11 +212,12 @@ def _export_stream(rank, world_size, path, out_file, ep):
     return sorted(stream)
 
 
-def sglang_load(model_dir, stream_file, out_file) -> dict:
+def sglang_load(model_dir, stream_file, out_file, together_file=None) -> dict:
     from tests.sglang_harness.fixtures import REPO_ROOT, sglang_python
 
+    extra = [str(together_file)] if together_file else []
     done = subprocess.run([sglang_python(), "-m", "tests.sglang_models.load_names", str(model_dir), str(stream_file),
-                           str(out_file)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+                           str(out_file), *extra], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(open(out_file).read())
 

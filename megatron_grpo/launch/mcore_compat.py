@@ -38,6 +38,7 @@ those (quiet_known_notices), so a one-line error is the only line a failed comma
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -56,23 +57,64 @@ def megatron_core_version() -> tuple[int, int, int]:
     return (int(package_info.MAJOR), int(package_info.MINOR), int(package_info.PATCH))
 
 
-def local_layer_spec(*, qk_layernorm: bool, normalization: str, num_experts: int | None = None) -> Any:
+def local_layer_spec(*, qk_layernorm: bool, normalization: str, num_experts: int | None = None,
+                     multi_latent_attention: bool = False) -> Any:
     """Transformer-layer spec built from megatron-core's own modules (no TE): works on CPU. With
-    num_experts a MoE layer whose experts are SequentialMLP (one local MLP per expert)."""
+    num_experts a MoE layer whose experts are SequentialMLP (one local MLP per expert); with
+    multi_latent_attention megatron's MLASelfAttention (qk_layernorm then builds its q_a / kv_a norms)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization,
-                                    num_experts=num_experts, moe_grouped_gemm=False)
+                                    num_experts=num_experts, moe_grouped_gemm=False,
+                                    multi_latent_attention=multi_latent_attention)
 
 
 def transformer_engine_layer_spec(*, qk_layernorm: bool, num_experts: int | None = None,
-                                  moe_grouped_gemm: bool = False) -> Any:
+                                  moe_grouped_gemm: bool = False, multi_latent_attention: bool = False) -> Any:
     """Transformer-layer spec with TE modules (fused norms/attention); needs transformer_engine.
     With num_experts a MoE layer (TE's grouped GEMM experts with moe_grouped_gemm)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, num_experts=num_experts,
-                                                      moe_grouped_gemm=moe_grouped_gemm)
+                                                      moe_grouped_gemm=moe_grouped_gemm,
+                                                      multi_latent_attention=multi_latent_attention)
+
+
+@contextlib.contextmanager
+def mla_without_transformer_engine():
+    """Around building megatron-core's MLASelfAttention when transformer_engine does not import.
+
+    megatron-core 0.16.1's multi_latent_attention.py sets HAVE_TE from importing
+    megatron.core.extensions.transformer_engine, which imports without TE (it puts a MagicMock in TE's
+    place), so HAVE_TE is True and TELinear a MagicMock; MultiLatentAttention.__init__ then calls
+    isinstance(self.linear_proj, TELinear), a TypeError ("arg 2 must be a type"). HAVE_TE is set to what it
+    means (False) inside this block only, restored after; nothing else of the module reads it (its forward
+    does not). With TE installed (TELinear a class) this does nothing."""
+    from megatron.core.transformer import multi_latent_attention
+
+    if isinstance(multi_latent_attention.TELinear, type):
+        yield
+        return
+    before = multi_latent_attention.HAVE_TE
+    multi_latent_attention.HAVE_TE = False
+    try:
+        yield
+    finally:
+        multi_latent_attention.HAVE_TE = before
+
+
+def replicated_linear() -> type:
+    """megatron-core's one un-split linear layer that MLASelfAttention accepts for its down projections
+    (it checks the class against [Linear, TEColumnParallelLinear, ColumnParallelLinear]): the model-opt
+    Linear (a torch Linear; its weight marked sequence_parallel, so its gradient is all-reduced over TP).
+    The local spec's ColumnParallelLinear there is wrong in backward at TP > 1 in 0.16.1: the gathered
+    kv_a output's rope part (k_pos_emb) feeds every rank's own heads, and the gather's backward keeps each
+    rank's slice without summing the other ranks' heads' gradients (the first GRPO step at TP2 differed from
+    one process by ~5% in every update; tests/test_deepseek_v3.py). With this Linear under sequence
+    parallelism megatron gathers k_pos_emb over the sequence (backward: reduce-scatter, which sums)."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    return Linear
 
 
 def stage_layer_range(config: Any, vp_stage: int | None) -> tuple[int, int]:

@@ -37,6 +37,9 @@ class ArchitectureSpec:
     # SGLang 0.5.23's model class builds every layer sparse (it reads neither mlp_only_layers nor
     # decoder_sparse_step) and skips a dense layer's MLP weights in silence.
     sglang_every_layer_sparse: bool = False
+    # Multi-head latent attention (DeepSeek-V3): q (optionally through a q_lora_rank bottleneck) and a
+    # compressed kv latent (kv_lora_rank) plus a decoupled rope head; YaRN rope scaling allowed.
+    mla: bool = False
 
 
 ARCHITECTURES: dict[str, ArchitectureSpec] = {
@@ -66,4 +69,11 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
                                  qkv_bias_key="attention_bias", qk_norm_key="use_qk_norm",
                                  moe_layout="first_k_dense", experts_key="n_routed_experts", router="sigmoid",
                                  partial_rotary_default=0.5),
+    # DeepSeek-V3 (and its V2-Lite-style shape with q_lora_rank null): MLA (megatron-core's MLASelfAttention),
+    # YaRN; first_k_dense_replace dense layers, then GLM-4.5's router (sigmoid, frozen expert bias, groups,
+    # routed_scaling_factor) and n_shared_experts ungated shared experts. attention_bias adds biases we do not build.
+    "deepseek_v3": ArchitectureSpec("deepseek_v3", "DeepseekV3ForCausalLM", qkv_bias=False, qk_norm=False,
+                                    attention_bias_key="attention_bias", moe=True, shared_expert="counted",
+                                    moe_layout="first_k_dense", experts_key="n_routed_experts", router="sigmoid",
+                                    mla=True),
 }

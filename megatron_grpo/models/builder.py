@@ -11,6 +11,7 @@ right stage on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -48,7 +49,10 @@ def transformer_config(model_config: ModelArchitecture, layout: ParallelLayout, 
     model_config.check_tensor_parallel(layout.tensor)
     model_config.check_expert_parallel(layout.expert, layout.expert_tensor_size)
     on_gpu = torch.cuda.is_available()
-    return TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if model_config.is_mla:
+        config_class, mla = _mla_config(model_config, layout, backend)
+    return config_class(
         num_layers=model_config.num_layers,
         hidden_size=model_config.hidden_size,
         ffn_hidden_size=model_config.ffn_hidden_size,
@@ -94,7 +98,40 @@ def transformer_config(model_config: ModelArchitecture, layout: ParallelLayout, 
         recompute_num_layers=recompute.num_layers if recompute.granularity == "full" else None,
         **moe_config(model_config, layout, grouped_gemm=resolve_backend(backend, dtype) == "te",
                      balanced_routing=backend == "memory-model"),
+        **mla,
     )
+
+
+def _mla_config(model_config: ModelArchitecture, layout: ParallelLayout, backend: Backend):
+    """megatron-core's MLATransformerConfig fields for DeepSeek-V3's attention (HF names in the comments).
+
+    RoPE: megatron's MLA builds its own rotary embedding per layer (GPTModel builds none): RotaryEmbedding
+    ("rope") or YarnRotaryEmbedding ("yarn"), over qk_rope_head_dim, taking the rope dims as interleaved pairs
+    (HF's rope_interleave true). Its YaRN frequencies, attention factor on cos / sin and softmax scale
+    mscale(factor, mscale_all_dim)^2 / sqrt(q/k head) are transformers' formulas (checked against HF's logits,
+    tests/test_deepseek_v3.py; hf_config.YarnRopeScaling maps the one case where the two read mscale apart)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    if layout.context > 1 and resolve_backend(backend) != "te":
+        raise ConfigError(f"parallel.context={layout.context}: model_type {model_config.architecture!r} (multi-head "
+                          f"latent attention) runs context parallel only with model.attention_backend=te; our "
+                          f"context-parallel attention takes one head dim for q, k and v")
+    yarn = model_config.rope_scaling
+    fields = dict(multi_latent_attention=True,
+                  q_lora_rank=model_config.q_lora_rank or None,   # None: one q_proj (linear_q_proj)
+                  kv_lora_rank=model_config.kv_lora_rank,
+                  qk_head_dim=model_config.qk_nope_head_dim,      # qk_nope_head_dim
+                  qk_pos_emb_head_dim=model_config.qk_rope_head_dim,
+                  v_head_dim=model_config.v_head_dim,
+                  rotary_base=model_config.rope_theta,
+                  rope_type="rope" if yarn is None else "yarn",
+                  mscale=1.0, mscale_all_dim=0.0)  # no YaRN: megatron's softmax mscale is then 1
+    if yarn is not None:
+        fields.update(rotary_scaling_factor=yarn.factor,
+                      original_max_position_embeddings=yarn.original_max_position_embeddings,
+                      beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow, mscale=yarn.mscale,
+                      mscale_all_dim=yarn.mscale_all_dim)
+    return MLATransformerConfig, fields
 
 
 
@@ -184,7 +221,11 @@ def _build(model_config: ModelArchitecture, layout: ParallelLayout | None, dtype
         layout = dataclasses.replace(layout, expert_tensor=layout.tensor)
     if layout is not None and layout != actual:
         raise ConfigError(f"build_model: layout {layout} differs from the initialised parallel state {actual}")
+    requested = backend
     backend = resolve_backend(backend, dtype)  # model.attention_backend -> te / torch_varlen / local (logged once)
+    if model_config.is_mla and requested == "auto" and backend == "torch_varlen":
+        log.info("attention backend: local for multi-head latent attention (torch_varlen takes one head dim)")
+        backend = "local"
     config = transformer_config(model_config, actual, dtype, recompute, backend)
     vp_stages = [None] if actual.virtual_pipeline is None else list(range(actual.virtual_pipeline))
     chunks = []
@@ -203,23 +244,23 @@ def _build_chunk(model_config, config, spec, pre_process, post_process, vp_stage
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=model_config.padded_vocab_size,
-        max_sequence_length=model_config.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=model_config.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=model_config.rope_theta,
-        rotary_percent=model_config.rotary_percent,
-        vp_stage=vp_stage,
-    )
-    # Our inv_freq honours every llama3 rope field of the config (see models/rope.py).
-    inv_freq = model.rotary_pos_emb.inv_freq
-    model.rotary_pos_emb.inv_freq = rope_inv_freq(
-        model_config.rotary_dim, model_config.rope_theta, model_config.rope_scaling).to(inv_freq.device)
+    from megatron_grpo.launch.mcore_compat import mla_without_transformer_engine
+
+    building = mla_without_transformer_engine() if model_config.is_mla else contextlib.nullcontext()
+    with building:
+        model = _gpt_model(GPTModel, model_config, config, spec, pre_process, post_process, vp_stage)
+    if not model_config.is_mla:  # MLA's rotary embeddings live in its attention layers (see _mla_config)
+        # Our inv_freq honours every llama3 rope field of the config (see models/rope.py).
+        inv_freq = model.rotary_pos_emb.inv_freq
+        model.rotary_pos_emb.inv_freq = rope_inv_freq(
+            model_config.rotary_dim, model_config.rope_theta, model_config.rope_scaling).to(inv_freq.device)
+    if model_config.is_mla and torch.cuda.is_available():
+        # the down projections' model-opt Linear (mcore_compat.replicated_linear) is created on the CPU
+        for layer in model.decoder.layers:
+            for name in ("linear_q_down_proj", "linear_kv_down_proj"):
+                module = getattr(layer.self_attention, name, None)
+                if module is not None:
+                    module.to(torch.cuda.current_device())
     if model_config.expert_bias:
         install_frozen_expert_bias(model, model_config)
     if local_context_parallel:
@@ -234,6 +275,22 @@ def _build_chunk(model_config, config, spec, pre_process, post_process, vp_stage
     if dtype == torch.bfloat16:
         return Float16Module(config, model)
     return model
+
+
+def _gpt_model(GPTModel, model_config, config, spec, pre_process, post_process, vp_stage):
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=model_config.padded_vocab_size,
+        max_sequence_length=model_config.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=model_config.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=model_config.rope_theta,
+        rotary_percent=model_config.rotary_percent,
+        vp_stage=vp_stage,
+    )
 
 
 def install_frozen_expert_bias(model, model_config: ModelArchitecture) -> None:

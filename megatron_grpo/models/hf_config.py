@@ -31,6 +31,20 @@ class Llama3RopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnRopeScaling:
+    """HF's rope_type "yarn" (DeepSeek-V3) as megatron-core's MLA YaRN takes it. HF's attention factor (on
+    cos / sin) is get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) when both are set, else
+    get_mscale(factor); megatron's is the ratio always, so the second case is stored as mscale 1,
+    mscale_all_dim 0 (the same value). The softmax scale's get_mscale(factor, mscale_all_dim)^2 is alike."""
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+    mscale_all_dim: float
+
+
+@dataclass(frozen=True)
 class ModelArchitecture:
     architecture: str
     num_layers: int
@@ -44,7 +58,7 @@ class ModelArchitecture:
     max_position_embeddings: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Llama3RopeScaling | None
+    rope_scaling: Llama3RopeScaling | YarnRopeScaling | None
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
@@ -75,6 +89,17 @@ class ModelArchitecture:
     # Multi-token-prediction layers the HF checkpoint may carry after the last layer
     # (model.layers.{num_layers + i}.*): not trained, dropped on import.
     mtp_layers: int = 0
+    # Multi-head latent attention (DeepSeek-V3; kv_lora_rank 0: none). head_dim is then the q/k head
+    # (qk_nope_head_dim + qk_rope_head_dim), num_query_groups the head count; q_lora_rank 0: one q_proj.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def rotary_dim(self) -> int:
@@ -207,6 +232,9 @@ def _parse(hf: dict, where: str, padded_vocab_size: int | None, tensor_parallel:
     heads = int(_require(hf, "num_attention_heads", where))
     groups = int(hf.get("num_key_value_heads") or heads)
     head_dim = int(hf.get("head_dim") or hidden // heads)
+    mla = _parse_mla(hf, heads, where) if spec.mla else {}
+    if mla:
+        groups, head_dim = heads, mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
     if heads % groups:
         raise ConfigError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
     vocab = int(_require(hf, "vocab_size", where))
@@ -215,7 +243,7 @@ def _parse(hf: dict, where: str, padded_vocab_size: int | None, tensor_parallel:
         padded_vocab_size = math.ceil(vocab / multiple) * multiple
     if padded_vocab_size < vocab:
         raise ConfigError(f"{where}: padded vocab size {padded_vocab_size} < vocab_size {vocab}")
-    rope_theta, rope_scaling = _parse_rope(hf, where)
+    rope_theta, rope_scaling = _parse_rope(hf, spec, where)
     num_layers = int(_require(hf, "num_hidden_layers", where))
     moe = _parse_moe(hf, spec, num_layers, where)
     return ModelArchitecture(
@@ -239,7 +267,43 @@ def _parse(hf: dict, where: str, padded_vocab_size: int | None, tensor_parallel:
         attention_dropout=float(hf.get("attention_dropout") or 0.0),
         hf_config=hf,
         **moe,
+        **mla,
     )
+
+
+def _parse_mla(hf: Mapping, heads: int, where: str) -> dict:
+    """DeepSeek-V3's multi-head latent attention fields, as megatron-core's MLASelfAttention builds them."""
+    if hf.get("rope_interleave", True) is False:
+        # megatron-core's MLA rope always takes the rope dims as interleaved pairs (HF's rope_interleave true)
+        raise ConfigError(f"{where}: rope_interleave=false is not supported (megatron-core's MLA rope is interleaved)")
+    if int(hf.get("num_key_value_heads") or heads) != heads:
+        raise ConfigError(f"{where}: num_key_value_heads={hf['num_key_value_heads']} != num_attention_heads={heads} "
+                          f"is not supported for multi-head latent attention")
+    if hf.get("quantization_config"):
+        raise ConfigError(f"{where}: quantization_config (quantized weights, e.g. DeepSeek-V3's fp8 release) is not "
+                          f"supported: convert the checkpoint to bf16 first")
+    if int(hf.get("moe_layer_freq") or 1) != 1:
+        raise ConfigError(f"{where}: moe_layer_freq={hf['moe_layer_freq']} is not supported (only 1: every layer "
+                          f"after first_k_dense_replace sparse)")
+    eps = float(_require(hf, "rms_norm_eps", where))
+    if eps != 1e-6:
+        # transformers' q_a_layernorm / kv_a_layernorm use eps 1e-6 whatever rms_norm_eps says; SGLang's use
+        # rms_norm_eps; megatron's use rms_norm_eps. DeepSeek's checkpoints have 1e-6, where all agree.
+        raise ConfigError(f"{where}: rms_norm_eps={eps} with multi-head latent attention is not supported (only 1e-6: "
+                          f"transformers' q_a / kv_a layernorms use 1e-6 whatever it says)")
+    q_lora = hf.get("q_lora_rank")
+    out = dict(q_lora_rank=int(q_lora or 0), kv_lora_rank=int(_require(hf, "kv_lora_rank", where)),
+               qk_nope_head_dim=int(_require(hf, "qk_nope_head_dim", where)),
+               qk_rope_head_dim=int(_require(hf, "qk_rope_head_dim", where)),
+               v_head_dim=int(_require(hf, "v_head_dim", where)))
+    if q_lora is not None and out["q_lora_rank"] < 1:
+        raise ConfigError(f"{where}: q_lora_rank={q_lora} must be >= 1 or null")
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if out[key] < 1:
+            raise ConfigError(f"{where}: {key}={out[key]} must be >= 1")
+    if out["qk_rope_head_dim"] % 2:
+        raise ConfigError(f"{where}: qk_rope_head_dim={out['qk_rope_head_dim']} must be even")
+    return out
 
 
 def _parse_moe(hf: Mapping, spec: ArchitectureSpec, num_layers: int, where: str) -> dict:
@@ -365,7 +429,8 @@ def _reject_math_changes(hf: Mapping, spec: ArchitectureSpec, where: str) -> Non
                               f"{spec.model_type!r}")
 
 
-def _parse_rope(hf: Mapping, where: str) -> tuple[float, Llama3RopeScaling | None]:
+def _parse_rope(hf: Mapping, spec: ArchitectureSpec,
+                where: str) -> tuple[float, Llama3RopeScaling | YarnRopeScaling | None]:
     # transformers >= 5 writes "rope_parameters" (with rope_theta inside); older configs write
     # top-level "rope_theta" and an optional "rope_scaling" dict.
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -373,6 +438,11 @@ def _parse_rope(hf: Mapping, where: str) -> tuple[float, Llama3RopeScaling | Non
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return float(theta), None
+    if spec.mla:
+        if rope_type != "yarn":
+            raise ConfigError(f"{where}: rope type {rope_type!r} is not supported for model_type {spec.model_type!r} "
+                              f"(supported: default, yarn)")
+        return float(theta), _parse_yarn(hf, params, where)
     if rope_type == "llama3":
         try:
             return float(theta), Llama3RopeScaling(
@@ -382,3 +452,26 @@ def _parse_rope(hf: Mapping, where: str) -> tuple[float, Llama3RopeScaling | Non
         except KeyError as exc:
             raise ConfigError(f"{where}: rope scaling 'llama3' is missing {exc}") from None
     raise ConfigError(f"{where}: rope type {rope_type!r} is not supported (supported: default, llama3)")
+
+
+def _parse_yarn(hf: Mapping, params: Mapping, where: str) -> YarnRopeScaling:
+    """HF's yarn rope parameters (transformers' _compute_yarn_parameters, DeepseekV3Attention's scaling)."""
+    for key, value in (("attention_factor", None), ("truncate", True)):
+        if params.get(key, value) != value:
+            raise ConfigError(f"{where}: rope scaling yarn with {key}={params[key]!r} is not supported")
+    original = int(params.get("original_max_position_embeddings") or 0)
+    if original < 1:
+        raise ConfigError(f"{where}: rope scaling 'yarn' is missing 'original_max_position_embeddings'")
+    factor = params.get("factor")
+    # transformers: no factor = max_position_embeddings / original_max_position_embeddings
+    factor = float(factor) if factor is not None else int(_require(hf, "max_position_embeddings", where)) / original
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if all_dim and not mscale:
+        raise ConfigError(f"{where}: rope scaling yarn with mscale_all_dim={all_dim} and mscale={mscale!r} is not "
+                          f"supported (megatron-core's attention factor would differ from transformers')")
+    if not (mscale and all_dim):
+        mscale, all_dim = 1.0, 0.0  # HF's attention factor get_mscale(factor); no softmax mscale
+    return YarnRopeScaling(factor=factor, original_max_position_embeddings=original,
+                           beta_fast=float(params.get("beta_fast") or 32),
+                           beta_slow=float(params.get("beta_slow") or 1),
+                           mscale=float(mscale), mscale_all_dim=float(all_dim))

@@ -78,17 +78,27 @@ def layer_spec(model_config: ModelArchitecture, context_parallel: int = 1, backe
 
     experts = model_config.num_experts if sparse else None
     backend = resolve_backend(backend)
+    mla = model_config.is_mla  # megatron's MLASelfAttention; qk_layernorm builds its q_a / kv_a RMSNorms
     if backend == "te":
         # TE's attention implements context parallelism itself.
-        return transformer_engine_layer_spec(qk_layernorm=model_config.qk_norm, num_experts=experts,
-                                             moe_grouped_gemm=sparse)
+        return transformer_engine_layer_spec(qk_layernorm=model_config.qk_norm or mla, num_experts=experts,
+                                             moe_grouped_gemm=sparse, multi_latent_attention=mla)
+    if mla and backend == "torch_varlen":
+        raise ConfigError("model.attention_backend=torch_varlen: multi-head latent attention's value head differs "
+                          "from its q/k head, which our varlen_attn path does not take; use model.attention_backend="
+                          "local or te")
     if backend == "torch_varlen" and model_config.attention_dropout > 0:
         raise ConfigError(f"model.attention_backend=torch_varlen: the model's attention_dropout="
                           f"{model_config.attention_dropout}, but torch's varlen_attn has no dropout; use "
                           "model.attention_backend=local")
-    spec = copy.deepcopy(local_layer_spec(qk_layernorm=model_config.qk_norm, normalization="RMSNorm",
-                                          num_experts=experts))
+    spec = copy.deepcopy(local_layer_spec(qk_layernorm=model_config.qk_norm or mla, normalization="RMSNorm",
+                                          num_experts=experts, multi_latent_attention=mla))
     spec.submodules.self_attention.submodules.core_attention = core_attention(backend, context_parallel)
+    if mla:  # un-split down projections (see mcore_compat.replicated_linear: megatron's split ones are wrong at TP > 1)
+        from megatron_grpo.launch.mcore_compat import replicated_linear
+
+        attention = spec.submodules.self_attention.submodules
+        attention.linear_q_down_proj = attention.linear_kv_down_proj = replicated_linear()
     return spec
 
 

@@ -52,6 +52,33 @@ TINY_CONFIGS: dict[str, dict] = {
                      head_dim=32, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
                      vocab_size=250, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
                      tie_word_embeddings=False),
+    # DeepSeek-V3's features in small: MLA with q_lora_rank set (q_a_proj / q_a_layernorm / q_b_proj), q/k head
+    # 16 + 8 rope dims, v head 16, YaRN (factor 4 over 64 original positions; mscale != mscale_all_dim so both
+    # the rope's and the softmax's factors show); layer 0 dense; 16 sigmoid-routed experts with a random bias,
+    # top-4 within the best 2 of 4 groups, scaling 2.5, one shared expert. moe_layer_freq / topk_method /
+    # scoring_func: DeepSeek's own config.json keys, which transformers does not define but SGLang reads.
+    "deepseek_v3": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=64,
+                        intermediate_size=128, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
+                        n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=1,
+                        first_k_dense_replace=1, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 0.7},
+                        vocab_size=250, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+                        tie_word_embeddings=False, num_nextn_predict_layers=0, moe_layer_freq=1,
+                        topk_method="noaux_tc", scoring_func="sigmoid"),
+    # The other MLA shape (DeepSeek-V2-Lite's): q_lora_rank null (one q_proj), other head dims (q/k 32 + 16
+    # rope, v 24), no rope scaling; layers 0-1 dense (a PP2 split has a dense and a sparse stage); 8 experts,
+    # top-2, no groups, no scaling, two shared experts; tied embeddings.
+    "deepseek_v3_lite": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=64,
+                             intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                             n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+                             n_shared_experts=2, first_k_dense_replace=2, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=32,
+                             qk_rope_head_dim=16, v_head_dim=24, vocab_size=250, max_position_embeddings=256,
+                             rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                             num_nextn_predict_layers=0, moe_layer_freq=1, topk_method="noaux_tc",
+                             scoring_func="sigmoid"),
 }
 
 

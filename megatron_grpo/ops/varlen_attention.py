@@ -94,7 +94,7 @@ def length_buckets(lengths: list[int], ratio: float = BUCKET_RATIO) -> list[list
 
 def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed_seq_params,
                             scale: float, dropout: Dropout = None) -> torch.Tensor:
-    """CP = 1. query [T, h, d], key / value [T, g, d] -> [T, h, d] (zeros on padding).
+    """CP = 1. query / key [T, h or g, d], value [T, g, dv] -> [T, h, dv] (zeros on padding).
 
     Sequences of similar length (length_buckets) run as one batched attention each, padded to the
     group's longest inside the attention only (masked keys get exactly zero weight): a few large
@@ -106,8 +106,9 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if bounds[-1] != total:
         raise ValueError(f"packed attention: cu_seqlens end at {bounds[-1]} but the row has {total} tokens")
     buckets = length_buckets(lengths)
+    out_shape = (*query.shape[:-1], value.size(-1))  # the value head (MLA: != the q/k head)
     if not buckets:
-        return query.new_zeros(query.shape)
+        return query.new_zeros(out_shape)
     device = query.device
     gather, sizes = [], []
     for bucket in buckets:
@@ -134,7 +135,7 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         out = batched_causal_attention(q.view(*shape, *q.shape[1:]), k.view(*shape, *k.shape[1:]),
                                        v.view(*shape, *v.shape[1:]), member_lengths, scale, dropout)
         outputs.append(out.reshape(-1, *out.shape[2:]))
-    outputs.append(query.new_zeros(1, *query.shape[1:]))
+    outputs.append(query.new_zeros(1, *out_shape[1:]))
     return torch.cat(outputs).index_select(0, back)
 
 
@@ -235,7 +236,19 @@ def _dot_product_attention_base():
 
 class PackedDotProductAttention(_dot_product_attention_base()):
     """megatron's local DotProductAttention (CP = 1) that also takes packed sequences
-    (PackedSeqParams, qkv_format "thd"); padded batches take megatron's own code unchanged."""
+    (PackedSeqParams, qkv_format "thd"); padded batches take megatron's own code unchanged.
+
+    Multi-head latent attention (megatron-core's MLASelfAttention) builds its core attention with
+    k_channels (the q/k head: nope + rope dims) and v_channels (the value head), which megatron's local
+    DotProductAttention does not take (only TE's does); its math needs neither (scores use q and k's own
+    last dim, the context v's), only the output width heads x v_channels, set here."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
