@@ -27,14 +27,15 @@ def uneven_samples(count: int, vocab: int, seed: int = 0):
                         advantage=rng.uniform(0.25, 1.5)) for _ in range(count)]
 
 
-def first_step(rank, world_size, policy_path, parallel, samples, overrides=()):
+def first_step(rank, world_size, policy_path, parallel, samples, overrides=(), recompute=None):
     """Rank 0 returns (metrics, {HF name: numpy array after the update}); other ranks too (the
-    metrics are identical, the weights empty)."""
+    metrics are identical, the weights empty). `recompute`: models.builder.Recompute's fields."""
     from megatron_grpo.config import load_config
     from megatron_grpo.convert import load_hf_weights
     from megatron_grpo.convert.export import gather_hf_weights_on_rank0
     from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
     from megatron_grpo.models import ModelArchitecture, build_model
+    from megatron_grpo.models.builder import Recompute
     from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
     from megatron_grpo.trainer.batches.micro_batches import plan_micro_batches
     from megatron_grpo.trainer.loop import global_batch_info, grpo_loss_config
@@ -48,7 +49,7 @@ def first_step(rank, world_size, policy_path, parallel, samples, overrides=()):
     layout = ParallelLayout(**parallel)
     initialize_model_parallel(layout, seed=1)
     mc = ModelArchitecture.from_hf(policy_path, tensor_parallel=layout.tensor, vocab_multiple=8)
-    chunks = build_model(mc, layout)
+    chunks = build_model(mc, layout, recompute=Recompute(**(recompute or {})))
     load_hf_weights(chunks, mc, policy_path)
     policy = wrap_with_ddp(chunks, use_distributed_optimizer=True)
     optimizer, _ = build_optimizer(policy, OptimizerSettings(lr=5.0, eps=1.0, grad_clip=1e6,

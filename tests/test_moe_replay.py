@@ -181,3 +181,33 @@ def test_the_trainer_engine_records_routes_only_with_replay(moe_path, tmp_path, 
             assert sample.routed_experts is not None and sample.routed_experts.shape[1:] == (4, 2)
         else:
             assert sample.routed_experts is None
+
+
+def _with_random_routes(samples, layers: int, experts: int, k: int, dense: tuple[int, ...], seed: int):
+    """The samples with engine-layout routes ([length - 1, layers, k], -1 on dense layers) drawn at
+    random: far from the trainer's own top-k, so a route replayed for the wrong micro-batch shows."""
+    generator = torch.Generator().manual_seed(seed)
+    for sample in samples:
+        positions = len(sample.prompt_ids) + len(sample.response_ids) - 1
+        routes = torch.rand(positions, layers, experts, generator=generator).argsort(dim=-1)[..., :k].int()
+        routes[:, list(dense)] = -1
+        sample.routed_experts = routes
+    return samples
+
+
+def test_full_recompute_at_pp2_replays_each_micro_batch_its_own_routes(moe_path):
+    """Full activation recompute under 1F1B re-runs a micro-batch's routers in its backward, after
+    later micro-batches set theirs; each router replays its checkpointed forwards' routes in order
+    (models/routing_replay.py). The update at PP2 with full recompute equals the one without."""
+    from tests.first_step import first_step, relative_difference, uneven_samples
+
+    samples = _with_random_routes(uneven_samples(12, 250), layers=4, experts=8, k=2, dense=(2,), seed=3)
+    parallel = {"pipeline": 2}
+    plain, recomputed = (run_distributed(first_step, 2, args=(moe_path, parallel, samples, (), recompute),
+                                         timeout=300)[0]
+                         for recompute in (None, dict(granularity="full", method="uniform", num_layers=1)))
+    assert plain[0]["micro_batches"] > 2  # later micro-batches run forward before earlier backwards
+    for key in ("actor/loss", "actor/grad_norm", "actor/pg_loss"):
+        assert recomputed[0][key] == pytest.approx(plain[0][key], rel=1e-6, abs=1e-7), key
+    worst = max(relative_difference(recomputed[1][name], plain[1][name]) for name in plain[1])
+    assert worst < 1e-6, worst

@@ -124,9 +124,6 @@ def _parallel(c: Config, out: list[str]) -> None:
                    "router drops return_routed_experts, so no routes would come back; set "
                    "rollout.sglang.router=false and no router_url (the trainer spreads requests over the engines "
                    "itself)")
-    if (c.actor.moe_routing_replay and c.model.recompute_granularity == "full" and p.pipeline > 1):
-        out.append("actor.moe_routing_replay=true with model.recompute_granularity=full and parallel.pipeline > 1: "
-                   "a recomputed layer would replay a later micro-batch's routes; use selective or none")
     if p.sequence_parallel and p.tensor < 2:
         out.append("parallel.sequence_parallel=true needs parallel.tensor >= 2")
 

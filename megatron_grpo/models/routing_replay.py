@@ -22,12 +22,27 @@ TP rank routes only its 1/TP slice of the sequence; the slice is taken here.
 
 No module-level state: each router gets its own ReplayRouting (install_routing_replay), and
 set_micro_batch_routes sets, per chunk, the routes of the micro-batch about to run forward.
-Activation recompute of whole layers under pipeline parallelism would re-run a router after a
-later micro-batch set its routes; config validation refuses that combination.
+
+Full activation recompute (model.recompute_granularity=full) runs a checkpointed layer's router a
+second time inside the backward pass, and under pipeline parallelism (1F1B, interleaved) that
+backward comes after later micro-batches have set their routes. As megatron-core's RouterReplay
+(REPLAY_BACKWARD: a per-router list popped by the recompute), each router keeps the routes its
+checkpointed forwards used, first in first out, and the recompute takes them in that order: each
+chunk's backwards run in the order of its forwards in every megatron schedule. A checkpointed
+forward is recognised as megatron's CheckpointFunction runs it: grad disabled inside a pass that
+set its routes with grad enabled (a train pass; the log-prob passes run under no_grad and queue
+nothing); the recompute as a router call inside autograd's backward.
 """
 from __future__ import annotations
 
+from collections import deque
+
 import torch
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine runs a backward pass on this thread (a recompute)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class ReplayRouting:
@@ -35,12 +50,29 @@ class ReplayRouting:
 
     def __init__(self) -> None:
         self.target: torch.Tensor | None = None  # [tokens, k] long; -1 rows: the router's own choice
+        self.train_pass = False  # the current micro-batch's routes were set with grad enabled
+        # Routes of this router's checkpointed forwards, for their recompute in backward (see above).
+        self.recompute_queue: deque[torch.Tensor | None] = deque()
+
+    def set_target(self, target: torch.Tensor | None) -> None:
+        self.target, self.train_pass = target, torch.is_grad_enabled()
+
+    def _routes_for_this_call(self) -> torch.Tensor | None:
+        if _in_backward():
+            if not self.recompute_queue:
+                raise RuntimeError("routing replay: a router ran in backward with no checkpointed forward "
+                                   "queued (recompute order differs from megatron's)")
+            return self.recompute_queue.popleft()
+        if self.train_pass and not torch.is_grad_enabled():  # megatron's checkpointed forward
+            self.recompute_queue.append(self.target)
+        return self.target
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         own_scores, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        if self.target is None:
+        target = self._routes_for_this_call()
+        if target is None:
             return own_scores, own
-        target = self.target.to(scores.device)
+        target = target.to(scores.device)
         if target.shape != own.shape:
             raise ValueError(f"routing replay: {tuple(target.shape)} routes for {tuple(own.shape)} routed tokens "
                              f"(the micro-batch's routes do not match the router's input)")
@@ -81,7 +113,7 @@ def set_micro_batch_routes(chunk: torch.nn.Module, routes: torch.Tensor | None) 
     if routes is None:
         for _, router in routers:
             if isinstance(router.router_replay, ReplayRouting):
-                router.router_replay.target = None
+                router.router_replay.set_target(None)
         return
     config = routers[0][1].config
     by_token = routes.transpose(0, 1)  # the router sees hidden states [s, b, h] flattened
@@ -90,4 +122,4 @@ def set_micro_batch_routes(chunk: torch.nn.Module, routes: torch.Tensor | None) 
     by_token = by_token.reshape(-1, *routes.shape[2:]).long() - 1
     install_routing_replay([chunk])
     for layer, router in routers:
-        router.router_replay.target = by_token[:, layer]
+        router.router_replay.set_target(by_token[:, layer])
