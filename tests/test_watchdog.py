@@ -201,3 +201,30 @@ def test_a_stopped_rank_under_torchrun_is_named_with_its_phase_and_the_run_exits
             if "megatron_grpo.train" in " ".join(child.cmdline()):
                 child.kill()
         log.close()
+
+
+def test_the_main_thread_and_the_watchdog_thread_write_the_heartbeat_at_once(tmp_path):
+    """phase() writes from the main thread while the watchdog thread writes on its poll: both at once
+    must leave a whole heartbeat and raise nothing (one temp file for both lost a replace)."""
+    import threading
+
+    from megatron_grpo.launch.watchdog import HangWatchdog
+
+    dog = HangWatchdog(tmp_path / "beats", tmp_path / "hangs", rank=0, world_size=1, timeout_s=60)
+    dog.folder.mkdir(parents=True)
+    errors: list[BaseException] = []
+
+    def hammer():
+        try:
+            for _ in range(3000):
+                dog._write()
+        except OSError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hammer) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[0]
+    assert json.loads((dog.folder / "rank-0.json").read_text())["count"] == 6000

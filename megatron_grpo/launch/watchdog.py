@@ -90,6 +90,7 @@ class HangWatchdog:
         self.folder, self.hang_dir, self.rank, self.world_size = Path(folder), Path(hang_dir), rank, world_size
         self.timeout_s, self.poll_s = float(timeout_s), poll_s
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # phase() and the thread both write the one heartbeat file
         self._phase, self._step, self._detail = "start", 0, ""
         self._progress_at = time.monotonic()
         self._count = 0
@@ -158,15 +159,16 @@ class HangWatchdog:
         return any(p.idle_s >= self.timeout_s or p.silent_s >= self.timeout_s for p in peers.values())
 
     def _write(self) -> None:
-        with self._lock:
-            self._count += 1
-            beat = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": self._step,
-                    "phase": self._phase, "detail": self._detail,
-                    "idle_s": round(time.monotonic() - self._progress_at, 3), "count": self._count}
-        path = self.folder / f"rank-{self.rank}.json"
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(beat))
-        os.replace(tmp, path)
+        with self._write_lock:  # the newest count is the one left on disk
+            with self._lock:
+                self._count += 1
+                beat = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": self._step,
+                        "phase": self._phase, "detail": self._detail,
+                        "idle_s": round(time.monotonic() - self._progress_at, 3), "count": self._count}
+            path = self.folder / f"rank-{self.rank}.json"
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps(beat))
+            os.replace(tmp, path)
 
     def _read(self) -> dict[int, PeerView]:
         now = time.monotonic()
