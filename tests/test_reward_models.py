@@ -398,9 +398,9 @@ def test_dead_and_slow_rm_servers_follow_the_engine_fault_rules(models, servers)
     requests = requests_of_the_task()[:4]
     both = sglang_scorer("rm", models["llama"], [servers["llama"]], batch_size=1)
     expected = [o.score for o in both.score(requests)]
-    both.backend.urls = [dead, servers["llama"]]  # the first one died after the start
+    both.backend.rotation.set_urls([dead, servers["llama"]])  # the first one died after the start
     assert [o.score for o in both.score(requests)] == expected
-    both.backend.urls = [dead]
+    both.backend.rotation.set_urls([dead])
     rewards = CombinedRewards(None, [both], lambda c, s: 1.0, max_error_frac=0.5)
     with pytest.raises(RewardFailure, match=f"failed on 4 of 4 calls \\(raised 4\\).*{dead}/classify"):
         rewards.score(requests)

@@ -204,7 +204,8 @@ def test_sglang_refuses_masks_it_cannot_build(server, monkeypatch):
                                           rf"SGLang said: .*HTTP 400: .*Sampling support exceeds "
                                           rf"--sampling-mask-max-tokens={MASK_CAP}") as overflow:
         client.generate([GenerationRequest(PROMPTS[0], truncated(20, 1.0), "g0", return_support=True)])
-    assert overflow.value.status == 400 and not client._dead_until  # not retried, the engine not blamed
+    # not retried, the engine not blamed
+    assert overflow.value.status == 400 and not client.rotation.is_dead(client.urls[0])
     monkeypatch.undo()
     assert client.generate([GenerationRequest(PROMPTS[0], truncated(20, 1.0), "after")])[0].behaviour_logprobs
     client.close()

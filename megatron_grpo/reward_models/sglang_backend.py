@@ -5,18 +5,16 @@ sequence: the classification head's raw outputs). Not `/v1/classify`: it answers
 probabilities over the labels, which for a one-output reward model is 1.0 for every input.
 Judges go to `/generate` (greedy; yes_no asks `token_ids_logprob` for the two tokens).
 
-A batch is one request. It goes to the servers in turn; a connection error or HTTP 5xx marks the
-server dead for a cooldown and the request moves to the next, up to max_retries tries; then the
-error names every URL tried. HTTP 4xx (e.g. an input longer than the model's context) fails the
-batch at once. Each try has the scorer's timeout; a timeout is not retried (a hung server would be
-waited on again). At start every server must answer /model_info and serve the right kind of model
-(a reward model is not a generation model in SGLang's sense; a judge is), else one error naming it.
-Requests are blocking http.client calls on the scorer's batch threads (rewards/combined.py): a
-batch is one request, so there are few in flight."""
+A batch is one request. It goes to the servers in turn (rollout/sglang/rotation.py, as the rollout
+client's); a connection error or HTTP 5xx marks the server dead for a cooldown and the request
+moves to the next, up to max_retries tries; then the error names every URL tried. HTTP 4xx (e.g.
+an input longer than the model's context) fails the batch at once. Each try has the scorer's
+timeout; a timeout is not retried (a hung server would be waited on again). At start every server
+must answer /model_info and serve the right kind of model (a reward model is not a generation model
+in SGLang's sense; a judge is), else one error naming it. Requests are blocking http.client calls
+on the scorer's batch threads (rewards/combined.py): a batch is one request, so there are few in flight."""
 from __future__ import annotations
 
-import itertools
-import threading
 import time
 from typing import Any, Sequence
 
@@ -24,6 +22,7 @@ from megatron_grpo.errors import MegatronGRPOError
 from megatron_grpo.reward_models.backend import BackendTimeout, JudgeReply
 from megatron_grpo.rollout.sglang.errors import SGLangError, SGLangTimeoutError, SGLangUnavailableError
 from megatron_grpo.rollout.sglang.http_json import RetryPolicy, request_json
+from megatron_grpo.rollout.sglang.rotation import ServerRotation
 
 DEAD_COOLDOWN_S = 30.0
 
@@ -35,7 +34,7 @@ class ScorerServerError(MegatronGRPOError):
 class SGLangBackend:
     def __init__(self, urls: Sequence[str], *, key: str, timeout_s: float, max_retries: int,
                  max_concurrency: int, api_key: str | None = None, launcher=None):
-        self.urls = [u.rstrip("/") for u in urls]
+        self.rotation = ServerRotation(urls, DEAD_COOLDOWN_S)
         self.key = key
         self.timeout_s = timeout_s
         self.retry = RetryPolicy(max_attempts=max_retries)
@@ -43,9 +42,10 @@ class SGLangBackend:
         self.concurrency = max_concurrency * len(self.urls)
         self.where = "SGLang " + ", ".join(self.urls)
         self.launcher = launcher  # servers started for this scorer (stopped by close)
-        self._turn = itertools.count()
-        self._dead_until: dict[str, float] = {}
-        self._lock = threading.Lock()
+
+    @property
+    def urls(self) -> list[str]:
+        return self.rotation.urls
 
     def check(self, want_generation: bool) -> dict[str, Any]:
         """Every server answers /model_info and serves a model of the right kind; its answers by URL."""
@@ -94,7 +94,7 @@ class SGLangBackend:
         tried: list[str] = []
         errors: list[str] = []
         for attempt in range(self.retry.max_attempts):
-            url = self._next_url(tried)
+            url = self.rotation.first_tier(tried)[0]
             tried.append(url)
             try:
                 return request_json(url, path, payload, timeout_s=self.timeout_s, api_key=self.api_key), url
@@ -104,21 +104,11 @@ class SGLangBackend:
                 if not self.retry.retryable(exc):
                     raise
                 errors.append(str(exc))
-                with self._lock:
-                    self._dead_until[url] = time.monotonic() + DEAD_COOLDOWN_S
+                self.rotation.mark_dead(url)
             if attempt + 1 < self.retry.max_attempts and len(set(tried)) >= len(self.urls):
                 time.sleep(self.retry.delay(attempt))
         raise SGLangUnavailableError(f"{self.key}: {path} failed {len(errors)} times on {sorted(set(tried))}: "
                                      + " | ".join(errors), tried[-1])
-
-    def _next_url(self, tried: list[str]) -> str:
-        """In turn; live servers not tried for this request first, then any live one, then any."""
-        now = time.monotonic()
-        with self._lock:
-            first = next(self._turn)
-            order = [self.urls[(first + i) % len(self.urls)] for i in range(len(self.urls))]
-            alive = [u for u in order if self._dead_until.get(u, 0.0) <= now]
-        return next(tier for tier in ([u for u in alive if u not in tried], alive, order) if tier)[0]
 
     def close(self) -> None:
         if self.launcher is not None:

@@ -19,7 +19,6 @@ Control and weight calls (`call`, `call_all`) target one server each and stay on
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import threading
 import time
@@ -32,6 +31,7 @@ from megatron_grpo.rollout.sglang.errors import (SGLangConnectionError, SGLangEr
                                                  SGLangUnavailableError)
 from megatron_grpo.rollout.sglang.http_json import RetryPolicy, http_error, request_json
 from megatron_grpo.rollout.sglang.protocol import generate_payloads, parse_generate_response, sampling_mask_error
+from megatron_grpo.rollout.sglang.rotation import ServerRotation
 from megatron_grpo.rollout.types import GenerationRequest, Sample
 
 
@@ -48,17 +48,14 @@ class SGLangClient:
             raise ValueError("SGLangClient needs at least one server URL")
         if concurrency < 1 or engines_per_url < 1:
             raise ValueError(f"concurrency and engines_per_url must be >= 1, got {concurrency}, {engines_per_url}")
-        self.urls = [u.rstrip("/") for u in urls]
+        self.rotation = ServerRotation(urls, dead_cooldown_s)
         self.concurrency = concurrency
         self.engines_per_url = engines_per_url
         self.timeout_s = timeout_s
         self.retry = retry
         self.api_key = api_key
-        self.dead_cooldown_s = dead_cooldown_s
         self.in_flight: dict[str, int] = {}  # sequences per URL now (read from any thread, written on the loop)
         self.peak_in_flight: dict[str, int] = {}  # the most each URL held since reset_peaks()
-        self._round_robin = itertools.count()
-        self._dead_until: dict[str, float] = {}
         self._lock = threading.Lock()
         self._aborted = threading.Event()
         self._loop: _LoopThread | None = None  # started by the first generate (control-only clients need none)
@@ -69,15 +66,14 @@ class SGLangClient:
         """Sequences in flight one URL may hold."""
         return self.concurrency * self.engines_per_url
 
+    @property
+    def urls(self) -> list[str]:
+        return self.rotation.urls
+
     def set_urls(self, urls: Sequence[str]) -> None:
-        """The servers later requests use (in-flight requests finish where they are). They were just
-        found alive (or restarted), so none of them stays in its failure cooldown."""
-        if not urls:
-            raise ValueError("SGLangClient needs at least one server URL")
-        with self._lock:
-            self.urls = [u.rstrip("/") for u in urls]
-            for url in self.urls:
-                self._dead_until.pop(url, None)
+        """The servers later requests use (in-flight requests finish where they are); none of them
+        stays in its failure cooldown (ServerRotation.set_urls)."""
+        self.rotation.set_urls(urls)
         self._wake()
 
     def set_engines_per_url(self, count: int) -> None:
@@ -178,7 +174,7 @@ class SGLangClient:
                 if not self.retry.retryable(exc):
                     raise
                 errors.append(str(exc))
-                self._mark_dead(url)
+                self.rotation.mark_dead(url)
             finally:
                 self._release(url, count)
             if self._aborted.is_set():
@@ -208,22 +204,13 @@ class SGLangClient:
         self._room_changed()
 
     def _pick_url(self, count: int, tried: list[str]) -> str | None:
-        """Prefer live servers not yet tried for this request, then any live one, then one not yet
-        tried, then any at all; within the first such tier, the least loaded server with room."""
-        now = time.monotonic()
+        """Within the rotation's first tier for this try, the least loaded server with room (ties:
+        the rotation's turn)."""
+        tier = self.rotation.first_tier(tried)
         with self._lock:
-            first = next(self._round_robin)
-            order = [self.urls[(first + i) % len(self.urls)] for i in range(len(self.urls))]
-            alive = [u for u in order if self._dead_until.get(u, 0.0) <= now]
-            load = {u: self.in_flight.get(u, 0) for u in order}
-        untried = [u for u in order if u not in tried]
-        tier = next(c for c in ([u for u in alive if u not in tried], alive, untried, order) if c)
+            load = {u: self.in_flight.get(u, 0) for u in tier}
         room = [u for u in tier if load[u] == 0 or load[u] + count <= self.capacity]
         return min(room, key=load.__getitem__) if room else None
-
-    def _mark_dead(self, url: str) -> None:
-        with self._lock:
-            self._dead_until[url] = time.monotonic() + self.dead_cooldown_s
 
     def _room_changed(self) -> None:
         """On the loop: wake the requests waiting for room."""
