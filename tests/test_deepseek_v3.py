@@ -257,6 +257,7 @@ def test_exported_stream_is_what_sglang_loads(hf_models, tmp_path):
     from safetensors.torch import save_file
 
     from megatron_grpo.convert.mappings import sglang_load_together
+    from megatron_grpo.rollout.sglang.buckets import iter_buckets
     from tests.test_moe_families import _loaded_in_full, sglang_load
 
     path = hf_models["deepseek_v3"][0]
@@ -275,6 +276,10 @@ def test_exported_stream_is_what_sglang_loads(hf_models, tmp_path):
     assert not skipped, f"SGLang's DeepseekV3ForCausalLM did not load (elements written, size): {skipped}"
     assert report["groups"] == {" + ".join(p): sum(stream[n].numel() for n in p) for p in pairs}
     assert report["left"] == {}  # every parameter of SGLang's model was written
+    # weight sync's buckets (rollout/sglang/buckets.py) keep each pair in one call, even one byte large
+    buckets = [[name for name, _ in bucket] for bucket in iter_buckets(stream.items(), bucket_bytes=1)]
+    assert all(any(set(pair) <= set(bucket) for bucket in buckets) for pair in pairs)
+    assert len(buckets) == len(stream) - len(pairs)  # every other tensor alone
 
 
 # ---- the first GRPO step at EP2 x TP2 (SP) equals one process -----------------------------------

@@ -190,8 +190,12 @@ def sglang_load_together(cfg: ModelArchitecture) -> tuple[tuple[str, ...], ...]:
     tests/test_deepseek_v3.py). Empty for other models."""
     if not (cfg.is_mla and cfg.q_lora_rank):
         return ()
-    return tuple((f"model.layers.{i}.self_attn.q_a_proj.weight",
-                  f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight") for i in range(cfg.num_layers))
+    return tuple(tuple(f"model.layers.{i}.{suffix}" for suffix in SGLANG_FUSED_A_PROJ) for i in range(cfg.num_layers))
+
+
+# A layer's two MLA down projections, in the order export yields them (MLA_Q_A_PROJ, then MLA_KV_A_PROJ in
+# MAPPINGS; rollout/sglang/buckets.py never cuts a weight-sync bucket between them).
+SGLANG_FUSED_A_PROJ = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")
 
 # HF files of tied models sometimes still carry the (identical) lm_head; we accept and ignore it.
 IGNORED_WHEN_TIED = ("lm_head.weight",)
