@@ -294,25 +294,41 @@ def test_first_grpo_step_at_ep2_equals_single_process(family, tmp_path):
 
 
 # ---- routing replay (R3) ------------------------------------------------------------------------
-@pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
-def test_routing_replay(family, tmp_path):
-    """tests/test_moe_replay.py's check on these routers: the local engine's recorded routes replayed
-    by the trainer (the engine's expert indices, the trainer's own gate weights: softmax, or sigmoid
-    scores normalised and scaled; the expert bias only chooses) close the routing part of the
-    engine-vs-trainer gap that a perturbed router opens. Measured (gap unperturbed / perturbed /
-    perturbed with replay): qwen2_moe 2.9e-7 / 1.0e-3 / 3.5e-4, glm4_moe 2.4e-7 / 1.2e-2 / 3.7e-4. The
-    ratio is lower than Qwen3-MoE's ~18: qwen2_moe's flips swap the 4th of 4 unrenormalised experts
-    (a small weight), and shared experts are never routed; the test asks for 2."""
-    from tests.test_moe_replay import _engine_samples, _gaps
+REPLAY_FAMILIES = FAMILIES + ("deepseek_v3",)
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", REPLAY_FAMILIES)
+def test_routing_replay(family, tmp_path):
+    """tests/test_moe_replay.py's check on these routers. (1) The local engine's recorded routes (prompt
+    prefill in a left-padded batch, then KV-cache decode) are the HF model's own routing of each whole
+    sequence in one forward, as expert sets (DeepSeek-V3's and GLM-4.5's routers take an unsorted top-k).
+    (2) The recorded routes replayed by the trainer (the engine's expert indices, the trainer's own gate
+    weights: softmax, or sigmoid scores normalised and scaled; the expert bias only chooses) close the
+    routing part of the engine-vs-trainer gap that a perturbed router opens. Measured (gap unperturbed /
+    perturbed / perturbed with replay): qwen2_moe 2.9e-7 / 1.0e-3 / 3.5e-4, glm4_moe 2.4e-7 / 1.2e-2 /
+    3.7e-4, deepseek_v3 (MLA) 3.3e-7 / 1.3e-2 / 6.1e-4. The ratio is lower than Qwen3-MoE's ~18:
+    qwen2_moe's flips swap the 4th of 4 unrenormalised experts (a small weight), and shared experts are
+    never routed; the test asks for 2."""
+    from megatron_grpo.rollout.routed_experts import RoutedExpertsRecorder
+    from tests.test_moe_replay import _engine_samples, _gaps
     from tests.tiny_hf import char_tokenizer
 
     path = str(save_tiny_hf_model(family, tmp_path / "hf", seed=1))
     char_tokenizer().save_pretrained(path)  # the engine loads one; the routes do not depend on it
-    _, samples = _engine_samples(path)
-    routes = samples[0].routed_experts
-    assert routes.shape[1:] == (4, 4) and (routes[:, 0] == -1).all() and (routes[:, 1:] >= 0).all()  # layer 0 dense
+    engine, samples = _engine_samples(path)
+    recorder = RoutedExpertsRecorder(engine.model)
+    for sample in samples:
+        sequence = sample.prompt_ids + sample.response_ids
+        routes = torch.from_numpy(sample.routed_experts)
+        assert tuple(routes.shape) == (len(sequence) - 1, 4, 4) and routes.dtype == torch.int32
+        assert (routes[:, 0] == -1).all() and (routes[:, 1:] >= 0).all()  # layer 0 dense
+        with torch.no_grad():
+            engine.model(torch.tensor([sequence]))
+        full = recorder.take(1, len(sequence))[0, :-1]
+        assert torch.equal(torch.sort(full, dim=-1).values, torch.sort(routes, dim=-1).values), \
+            f"{family}: the engine's routes differ from the full forward's"
+    recorder.remove()
     gaps = run_distributed(_gaps, 1, args=(path, samples), timeout=300)[0]
     print(family, {k: f"{v:.2e}" for k, v in gaps.items()})
     assert gaps["same"] < 1e-5 and gaps["same_replay"] < 1e-5
