@@ -4,10 +4,12 @@
 Against SGLang 0.5.23's own server code (tests/sglang_harness): its GenerateReqInput / TokenizerManager
 take the request field, its capturer, `_maybe_collect_routed_experts`, output streamer, detokenizer
 (base64) and tokenizer manager (`meta_info`) carry the routes the harness model's MoE routers chose.
-A tiny Qwen3-MoE (softmax top-2, every layer sparse, as SGLang builds it) and a tiny GLM-4.5 (sigmoid
-router with expert bias, group-limited top-4, layer 0 dense) are served with
-`--enable-return-routed-experts`; one more Qwen3-MoE server without it shows what SGLang does then
-(ignores the field); the real sglang-router 0.3.2 in front of a server drops the field."""
+A tiny Qwen3-MoE (softmax top-2, every layer sparse, as SGLang builds it), a tiny GLM-4.5 (sigmoid
+router with expert bias, group-limited top-4, layer 0 dense) and a tiny DeepSeek-V3 (MLA, the same router
+kind in transformers' DeepseekV3TopkRouter, layer 0 dense) are served with `--enable-return-routed-experts`;
+one more Qwen3-MoE server without it shows what SGLang does then (ignores the field); the real
+sglang-router 0.3.2 in front of a server drops the field. The four servers start at once (the module
+fixture): DeepSeek-V3's adds ~4 s to the start on 2 cores."""
 from __future__ import annotations
 
 import json
@@ -37,18 +39,20 @@ def _model(root, architecture: str, **overrides):
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("r3")
     # SGLang 0.5.23's Qwen3MoeForCausalLM builds every layer sparse (sglang_setup.check_sglang_model)
-    return {"qwen3_moe": _model(root, "qwen3_moe", mlp_only_layers=[]), "glm4_moe": _model(root, "glm4_moe")}
+    return {"qwen3_moe": _model(root, "qwen3_moe", mlp_only_layers=[]), "glm4_moe": _model(root, "glm4_moe"),
+            "deepseek_v3": _model(root, "deepseek_v3")}
 
 
 @pytest.fixture(scope="module")
 def servers(models, tmp_path_factory):
-    """Both models with the flag, and the Qwen3-MoE once more without it: three servers started at once."""
+    """The three models with the flag, and the Qwen3-MoE once more without it: four servers started at once."""
     settings = [server_settings(models["qwen3_moe"], extra_args=(ROUTES_FLAG,)),
                 server_settings(models["glm4_moe"], extra_args=(ROUTES_FLAG,)),
-                server_settings(models["qwen3_moe"])]
+                server_settings(models["qwen3_moe"]),
+                server_settings(models["deepseek_v3"], extra_args=(ROUTES_FLAG,))]
     launcher = launch_servers(tmp_path_factory.mktemp("logs"), settings)
     urls = [s.url for s in launcher.servers]
-    yield {"qwen3_moe": urls[0], "glm4_moe": urls[1], "no_flag": urls[2]}
+    yield {"qwen3_moe": urls[0], "glm4_moe": urls[1], "no_flag": urls[2], "deepseek_v3": urls[3]}
     launcher.shutdown(grace_s=2)
 
 
@@ -81,7 +85,7 @@ def _hf_routes(model_dir, sequence: list[int]) -> torch.Tensor:
     return recorder.take(1, len(sequence))[0, :-1]
 
 
-@pytest.mark.parametrize("architecture", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
 def test_sglang_routes_are_the_models_routes(servers, models, architecture):
     """Through SGLang's own request and response path: every sample's routes cover prompt +
     response - 1 positions and equal the model's routing of the whole sequence; dense layers 0."""
@@ -101,7 +105,7 @@ def test_sglang_routes_are_the_models_routes(servers, models, architecture):
         assert routes.shape == (len(sequence) - 1, *shape)
         expected = _hf_routes(models[architecture], sequence)
         sparse = (expected >= 0).all(dim=-1).all(dim=0)  # the MoE layers
-        assert sparse.sum() == (3 if architecture == "glm4_moe" else 4)
+        assert sparse.sum() == (4 if architecture == "qwen3_moe" else 3)
         got = torch.from_numpy(routes)
         assert (got[:, ~sparse] == 0).all()  # SGLang's capture buffer is never written on dense layers
         assert torch.equal(got[:, sparse].sort(dim=-1).values, expected[:, sparse].sort(dim=-1).values)
