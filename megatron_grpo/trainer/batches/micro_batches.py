@@ -110,12 +110,11 @@ class MicroBatching:
 
 
 def attention_cost_weight(model_config) -> float:
-    """w such that L + w * L^2 is proportional to a sequence's forward FLOPs: per layer the linear
-    layers cost 2 * params per token, causal attention 2 * heads * head_dim per token pair."""
-    from megatron_grpo.trainer.step.flops import dense_parameter_count
+    """w such that L + w * L^2 is proportional to a sequence's forward FLOPs (trainer/step/flops.py):
+    the linear layers cost 2 * params per token, causal attention pair_flops per pair over L^2 / 2 pairs."""
+    from megatron_grpo.trainer.step.flops import attention_pair_flops, dense_parameter_count
 
-    attention = model_config.num_layers * model_config.num_attention_heads * model_config.head_dim
-    return attention / dense_parameter_count(model_config)
+    return attention_pair_flops(model_config) / (4 * dense_parameter_count(model_config))
 
 
 def sequence_costs(samples: list[TrainSample], attention_weight: float) -> list[float]:
