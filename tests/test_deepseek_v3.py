@@ -299,3 +299,46 @@ def test_first_grpo_step_at_ep2_tp2_equals_single_process(tmp_path):
     print("deepseek_v3 EP2xTP2", {k: f"{v:.1e}" for k, v in sorted(worst.items(), key=lambda kv: -kv[1])[:5]})
     bad = {k: v for k, v in worst.items() if v > allowed.get(k, TOLERANCE)}
     assert not bad, f"deepseek_v3 EP2 x TP2: differs from the single process beyond {TOLERANCE:.0e}: {bad}"
+
+
+# ---- the first GRPO step at EP2 x PP2 (and the lite config's EP2 x TP2) equals one process -----------
+@pytest.fixture(scope="module")
+def single_steps(tmp_path_factory):
+    """config -> (policy folder, samples, overrides, the single process's first step), run once each."""
+    done = {}
+
+    def get(family):
+        if family not in done:
+            policy = str(save_tiny_hf_model(family, tmp_path_factory.mktemp(f"step_{family}") / "policy", seed=3))
+            samples, n8 = uneven_samples(32, TINY_CONFIGS[family]["vocab_size"]), ("rollout.n=8",)
+            done[family] = policy, samples, n8, run_distributed(first_step, 1, args=(policy, {}, samples, n8),
+                                                                timeout=300)[0]
+        return done[family]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, layout", [
+    # stage 0: the dense layer 0 and MoE layer 1; stage 1: MoE layers 2-3 (MLA with q_lora_rank, YaRN, groups)
+    pytest.param("deepseek_v3", dict(expert=2, pipeline=2), id="v3-ep2-pp2"),
+    # stage 0 wholly dense (layers 0-1), stage 1 wholly MoE; q_lora_rank null, embeddings tied across stages
+    pytest.param("deepseek_v3_lite", dict(expert=2, pipeline=2), id="lite-ep2-pp2"),
+    # the other MLA shape under TP: q_proj split by heads, kv_a whole on each rank; experts EP2 x ETP 1
+    pytest.param("deepseek_v3_lite", dict(expert=2, tensor=2, expert_tensor=1, sequence_parallel=True),
+                 id="lite-ep2-tp2"),
+])
+def test_first_grpo_step_at_more_layouts_equals_single_process(single_steps, family, layout):
+    """As the EP2 x TP2 test above (4 ranks each, the single process run once per config). Measured worst
+    (metrics and every tensor's update; 1e-5 plus each tensor's 2-ulp rounding allowance): deepseek_v3
+    EP2 x PP2 2.1e-5 (layer 3's q_a_layernorm, allowed 1.1e-4), deepseek_v3_lite EP2 x PP2 3.5e-6, EP2 x TP2
+    (ETP 1) 4.8e-6."""
+    policy, samples, n8, single = single_steps(family)
+    metrics, weights = run_distributed(first_step, 4, args=(policy, layout, samples, n8), timeout=600)[0]
+    worst = {key: relative_difference(metrics[key], single[0][key]) for key in METRICS}
+    update_worst, allowed = compare_updates(policy, weights, single[1], TOLERANCE,
+                                            frozen=("e_score_correction_bias",))  # the frozen expert bias
+    worst.update(update_worst)
+    print(family, layout, {k: f"{v:.1e} of {allowed.get(k, TOLERANCE):.1e}"
+                           for k, v in sorted(worst.items(), key=lambda kv: -kv[1])[:3]})
+    bad = {k: v for k, v in worst.items() if v > allowed.get(k, TOLERANCE)}
+    assert not bad, f"{family} {layout}: differs from the single process beyond {TOLERANCE:.0e}: {bad}"
