@@ -342,3 +342,67 @@ def test_first_grpo_step_at_more_layouts_equals_single_process(single_steps, fam
                            for k, v in sorted(worst.items(), key=lambda kv: -kv[1])[:3]})
     bad = {k: v for k, v in worst.items() if v > allowed.get(k, TOLERANCE)}
     assert not bad, f"{family} {layout}: differs from the single process beyond {TOLERANCE:.0e}: {bad}"
+
+
+# ---- the memory planner's engine arithmetic (plan/engines.py) -----------------------------------
+def _hub_config(name: str) -> dict:
+    from importlib import resources
+
+    return json.loads(resources.files("megatron_grpo.plan").joinpath("hub_configs.json").read_text())[name]["config"]
+
+
+@pytest.mark.parametrize("family", CONFIGS + ("deepseek-ai/DeepSeek-V3",))
+def test_planned_parameter_count_is_the_hf_models(family):
+    """plan/engines.py's parameter count (the engines' weight bytes, the sync volume) equals transformers'
+    DeepseekV3ForCausalLM's: q_a_proj / q_a_layernorm / q_b_proj or q_proj, kv_a_proj_with_mqa, kv_a_layernorm,
+    kv_b_proj, o_proj of heads x v_head_dim, shared experts (the router's bias is a buffer). DeepSeek-V3's
+    published config (plan/hub_configs.json) on the meta device: 671,026,404,352, without the MTP layer, which
+    transformers does not build either."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_grpo.plan.engines import parameter_count
+
+    fields = dict(TINY_CONFIGS[family] if family in CONFIGS else _hub_config(family))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    planned = parameter_count(ModelArchitecture.from_hf(TINY_CONFIGS[family] if family in CONFIGS
+                                                        else _hub_config(family)))
+    assert planned == sum(p.numel() for p in model.parameters())
+
+
+_SGLANG_MLA_POOL = """
+import json, sys, torch
+from tests.sglang_harness import memory_saver_stub, torchvision_stub
+torchvision_stub.install(); memory_saver_stub.install()
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+out = []
+for layers, kv_lora_rank, rope in json.loads(sys.argv[1]):
+    pool = MLATokenToKVPool(size=7, page_size=1, dtype=torch.bfloat16, kv_lora_rank=kv_lora_rank,
+                            qk_rope_head_dim=rope, layer_num=layers, device="cpu", enable_memory_saver=False)
+    out.append([int(pool.get_kv_size_bytes()), int(pool.size + pool.page_size)])
+print(json.dumps(out))
+"""
+
+
+def test_kv_bytes_per_token_is_sglangs_mla_pool():
+    """The planner's KV bytes per token and GPU for MLA is what SGLang 0.5.23's own MLATokenToKVPool
+    allocates per token slot (built on CPU, bf16 as --kv-cache-dtype auto gives a bf16 model): the latent and
+    the rope key, one head, every layer. The pool takes no TP size, so the planner's figure does not shrink
+    with the engine's tp_size, unlike a GQA model's."""
+    import subprocess
+
+    from megatron_grpo.plan.engines import kv_bytes_per_token
+    from tests.sglang_harness.fixtures import REPO_ROOT, sglang_python
+
+    archs = [ModelArchitecture.from_hf(TINY_CONFIGS[name]) for name in CONFIGS]
+    archs.append(ModelArchitecture.from_hf(_hub_config("deepseek-ai/DeepSeek-V3")))
+    shapes = [[a.num_layers, a.kv_lora_rank, a.qk_rope_head_dim] for a in archs]
+    done = subprocess.run([sglang_python(), "-c", _SGLANG_MLA_POOL, json.dumps(shapes)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sglang = [size // slots for size, slots in json.loads(done.stdout.strip().splitlines()[-1])]
+    assert sglang[-1] == 61 * (512 + 64) * 2 == 70272  # DeepSeek-V3: 68.6 KiB per token on every GPU
+    for tp in (1, 2, 8):
+        assert [kv_bytes_per_token(a, tp) for a in archs] == sglang
+    gqa = ModelArchitecture.from_hf(TINY_CONFIGS["qwen3_moe"])  # 2 KV heads: split over TP up to 2
+    assert kv_bytes_per_token(gqa, 2) == kv_bytes_per_token(gqa, 1) // 2 == kv_bytes_per_token(gqa, 8)
