@@ -406,3 +406,31 @@ def test_kv_bytes_per_token_is_sglangs_mla_pool():
         assert [kv_bytes_per_token(a, tp) for a in archs] == sglang
     gqa = ModelArchitecture.from_hf(TINY_CONFIGS["qwen3_moe"])  # 2 KV heads: split over TP up to 2
     assert kv_bytes_per_token(gqa, 2) == kv_bytes_per_token(gqa, 1) // 2 == kv_bytes_per_token(gqa, 8)
+
+
+def test_memory_plan_runs_for_mla(tmp_path):
+    """`megatron-grpo plan` on a deepseek_v3 model (the tiny config, q/k head 24 != v head 16) at TP2 x EP4: the
+    planner's fused-attention memory model (ops/flash_attention_memory.py) takes MLA's k_channels / v_channels
+    (it was refused: unexpected keyword 'k_channels') and returns the value head's width, as a flash kernel with
+    hdim_v != hdim_qk does; the engines' figures are the MLA ones."""
+    from megatron_grpo.cli import main
+    from megatron_grpo.ops.flash_attention_memory import _FlashAttentionMemory
+    from megatron_grpo.plan.engines import kv_bytes_per_token, parameter_count
+
+    q, k, v = (torch.randn(5, 4, 24, requires_grad=True), torch.randn(5, 4, 24, requires_grad=True),
+               torch.randn(5, 4, 16, requires_grad=True))
+    out = _FlashAttentionMemory.apply(q, k, v, 0)
+    assert out.shape == (5, 4, 16)
+    out.sum().backward()
+    assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+
+    fields = dict(TINY_CONFIGS["deepseek_v3"], hidden_size=128, vocab_size=4096)
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    code = main(["plan", "qwen3_30b_a3b_gsm8k", f"model.path={tmp_path}", "parallel.tensor=2", "parallel.expert=4",
+                 "data.max_response_length=256", "--nodes", "3", "--json", str(tmp_path / "plan.json")])
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert code == 0 and plan["fits"] and plan["placement"]["trainer_gpus"] == 8
+    arch = ModelArchitecture.from_hf(fields)
+    assert plan["engines"]["kv_bytes_per_token_per_gpu"] == kv_bytes_per_token(arch, 2) == 4 * (32 + 8) * 2
+    replicated = 4 * 128 * (32 + 32 + 8)  # q_a_proj + kv_a_proj_with_mqa of 4 layers, whole on each engine GPU
+    assert plan["engines"]["weights_per_gpu"] == 2 * ((parameter_count(arch) - replicated) // 2 + replicated)
