@@ -434,3 +434,30 @@ def test_memory_plan_runs_for_mla(tmp_path):
     assert plan["engines"]["kv_bytes_per_token_per_gpu"] == kv_bytes_per_token(arch, 2) == 4 * (32 + 8) * 2
     replicated = 4 * 128 * (32 + 32 + 8)  # q_a_proj + kv_a_proj_with_mqa of 4 layers, whole on each engine GPU
     assert plan["engines"]["weights_per_gpu"] == 2 * ((parameter_count(arch) - replicated) // 2 + replicated)
+
+
+# ---- rollout.engine=sglang: DeepSeek's own config keys -------------------------------------------
+def test_sglang_refuses_a_deepseek_config_without_deepseeks_keys(tmp_path):
+    """SGLang 0.5.23's DeepseekV3ForCausalLM reads config.moe_layer_freq, topk_method and scoring_func, which
+    transformers' DeepseekV3Config does not define: a config.json saved by transformers lacks them. Before any
+    server starts, check_sglang_model names the missing keys and the file; DeepSeek's own layout passes."""
+    from transformers import DeepseekV3Config
+
+    from megatron_grpo.trainer.engines.sglang_setup import SGLANG_DEEPSEEK_KEYS, check_sglang_model
+
+    fields = {k: v for k, v in TINY_CONFIGS["deepseek_v3"].items() if k not in SGLANG_DEEPSEEK_KEYS}
+    fields.pop("model_type")
+    DeepseekV3Config(**fields).save_pretrained(tmp_path / "transformers")
+    saved = json.loads((tmp_path / "transformers" / "config.json").read_text())
+    assert not set(SGLANG_DEEPSEEK_KEYS) & set(saved)  # transformers writes none of them
+    message = (r"rollout.engine=sglang: .*transformers/config.json lacks \['moe_layer_freq', 'scoring_func', "
+               r"'topk_method'\]: .* add \"moe_layer_freq\": 1, \"topk_method\": \"noaux_tc\", \"scoring_func\": "
+               r"\"sigmoid\" to it")
+    with pytest.raises(ConfigError, match=message):
+        check_sglang_model(tmp_path / "transformers")
+    (tmp_path / "one.json").write_text(json.dumps(dict(saved, moe_layer_freq=1, scoring_func="sigmoid")))
+    with pytest.raises(ConfigError, match=r"one.json lacks \['topk_method'\]"):
+        check_sglang_model(tmp_path / "one.json")
+    (tmp_path / "deepseek").mkdir()
+    (tmp_path / "deepseek" / "config.json").write_text(json.dumps(TINY_CONFIGS["deepseek_v3"]))
+    assert check_sglang_model(tmp_path / "deepseek").is_mla

@@ -21,12 +21,29 @@ from megatron_grpo.errors import ConfigError, MegatronGRPOError
 log = logging.getLogger(__name__)
 
 
+# DeepSeek's own config.json keys that SGLang 0.5.23's DeepseekV2/V3 model reads as attributes
+# (models/deepseek_v2.py: config.moe_layer_freq in _is_layer_sparse, config.topk_method in the gate,
+# config.scoring_func in the MoE's top-k) and transformers' DeepseekV3Config does not define, so a
+# config.json written by transformers' save_pretrained lacks them and SGLang stops at load with an
+# AttributeError. The values are the only ones models/hf_config.py accepts.
+SGLANG_DEEPSEEK_KEYS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
 def check_sglang_model(model_dir: Path):
-    """ConfigError when SGLang's model class for this checkpoint would serve other math than ours;
-    else the model's ModelArchitecture."""
+    """ConfigError when SGLang's model class for this checkpoint would serve other math than ours, or
+    cannot load its config.json; else the model's ModelArchitecture."""
+    import json
+
     from megatron_grpo.models.hf_config import ModelArchitecture
 
     model = ModelArchitecture.from_hf(model_dir)
+    missing = {k: v for k, v in SGLANG_DEEPSEEK_KEYS.items() if k not in model.hf_config}
+    if model.architecture == "deepseek_v3" and missing:
+        config_file = Path(model_dir) / "config.json" if Path(model_dir).is_dir() else Path(model_dir)
+        raise ConfigError(f"rollout.engine=sglang: {config_file} lacks {sorted(missing)}: DeepSeek's own config.json "
+                          f"keys, which SGLang 0.5.23's DeepseekV3ForCausalLM reads and transformers' "
+                          f"DeepseekV3Config does not write (a config saved by transformers drops them); add "
+                          f"{json.dumps(missing)[1:-1]} to it, as DeepSeek's published config.json has them")
     if model.spec.sglang_every_layer_sparse and model.dense_layers:
         raise ConfigError(f"rollout.engine=sglang: {model_dir}: model_type {model.architecture!r} with dense layers "
                           f"{list(model.dense_layers)} (mlp_only_layers / decoder_sparse_step): SGLang 0.5.23's "
