@@ -64,6 +64,27 @@ def first_step(rank, world_size, policy_path, parallel, samples, overrides=(), r
     return metrics, weights
 
 
+class SingleProcessSteps:
+    """Tiny model name -> (policy folder, samples, overrides, the single process's first step), each
+    run once (a module fixture holds one): 32 sequences of 4 prompts x 8, rollout.n=8 (with 16, one
+    of glm4_moe's 16 experts got no token and no update)."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory, self.done = tmp_path_factory, {}
+
+    def __call__(self, family: str):
+        from megatron_grpo.models.tiny import TINY_CONFIGS, save_tiny_hf_model
+        from megatron_grpo.testing.distributed import run_distributed
+
+        if family not in self.done:
+            folder = self.tmp_path_factory.mktemp(f"step_{family}") / "policy"
+            policy = str(save_tiny_hf_model(family, folder, seed=3))
+            samples, n8 = uneven_samples(32, TINY_CONFIGS[family]["vocab_size"]), ("rollout.n=8",)
+            single = run_distributed(first_step, 1, args=(policy, {}, samples, n8), timeout=300)[0]
+            self.done[family] = policy, samples, n8, single
+        return self.done[family]
+
+
 def relative_difference(a, b) -> float:
     """max |a - b| over max |b| (float64)."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)

@@ -28,8 +28,8 @@ from megatron_grpo.errors import ConfigError
 from megatron_grpo.models.hf_config import ModelArchitecture, YarnRopeScaling
 from megatron_grpo.models.tiny import TINY_CONFIGS, save_tiny_hf_model
 from megatron_grpo.testing.distributed import run_distributed
-from tests.first_step import compare_updates, first_step, relative_difference, uneven_samples
-from tests.test_moe_models import TOLERANCE, _tokens
+from tests.first_step import SingleProcessSteps, compare_updates, first_step, relative_difference, uneven_samples
+from tests.test_moe_models import TOLERANCE, _logits_and_export, _tokens
 
 CONFIGS = ("deepseek_v3", "deepseek_v3_lite")
 FP32_EPS = float(torch.finfo(torch.float32).eps)
@@ -170,30 +170,6 @@ def test_hf_names_are_the_files_names(family, tmp_path):
 
 
 # ---- logits vs HF, bitwise round trip -----------------------------------------------------------
-def _logits_and_export(rank, world_size, path, tp, pp, ep, etp):
-    from megatron_grpo.convert import load_hf_weights
-    from megatron_grpo.convert.export import gather_hf_weights_on_rank0
-    from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
-    from megatron_grpo.models import build_reference_model
-    from megatron_grpo.testing.logits import forward_only_logits
-
-    layout = ParallelLayout(tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp)
-    initialize_model_parallel(layout)
-    cfg = ModelArchitecture.from_hf(path, tensor_parallel=tp, vocab_multiple=8)
-    chunks = build_reference_model(cfg, layout)
-    load_hf_weights(chunks, cfg, path)
-    attention = chunks[0].decoder.layers[0].self_attention
-    assert type(attention).__name__ == "MLASelfAttention"
-    assert attention.num_attention_heads_per_partition == cfg.num_attention_heads // tp  # heads split over TP
-    local_experts = {len(layer.mlp.local_expert_indices) for layer in chunks[0].decoder.layers
-                     if hasattr(layer.mlp, "local_expert_indices")}
-    assert local_experts <= {cfg.num_experts // ep}  # a stage of dense layers only has none
-    full = forward_only_logits(chunks, _tokens(cfg.vocab_size))
-    logits = None if full is None else full[..., : cfg.vocab_size].numpy()
-    exported = {name: tensor.clone() for name, tensor in gather_hf_weights_on_rank0(chunks, cfg)}
-    return logits, exported
-
-
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     """Per config: the saved folder and transformers' fp32 logits."""
@@ -220,7 +196,7 @@ def _run(hf_models, family, tp, pp, ep, etp):
     if key not in _RUNS:
         world = max(tp * pp, ep * (etp or tp) * pp)
         _RUNS[key] = run_distributed(_logits_and_export, world_size=world,
-                                     args=(hf_models[family][0], tp, pp, ep, etp), timeout=300)
+                                     args=(hf_models[family][0], tp, pp, ep, etp, "MLASelfAttention"), timeout=300)
     return _RUNS[key]
 
 
@@ -304,17 +280,7 @@ def test_first_grpo_step_at_ep2_tp2_equals_single_process(tmp_path):
 # ---- the first GRPO step at EP2 x PP2 (and the lite config's EP2 x TP2) equals one process -----------
 @pytest.fixture(scope="module")
 def single_steps(tmp_path_factory):
-    """config -> (policy folder, samples, overrides, the single process's first step), run once each."""
-    done = {}
-
-    def get(family):
-        if family not in done:
-            policy = str(save_tiny_hf_model(family, tmp_path_factory.mktemp(f"step_{family}") / "policy", seed=3))
-            samples, n8 = uneven_samples(32, TINY_CONFIGS[family]["vocab_size"]), ("rollout.n=8",)
-            done[family] = policy, samples, n8, run_distributed(first_step, 1, args=(policy, {}, samples, n8),
-                                                                timeout=300)[0]
-        return done[family]
-    return get
+    return SingleProcessSteps(tmp_path_factory)
 
 
 @pytest.mark.slow

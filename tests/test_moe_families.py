@@ -27,7 +27,7 @@ from megatron_grpo.errors import ConfigError
 from megatron_grpo.models.hf_config import ModelArchitecture
 from megatron_grpo.models.tiny import TINY_CONFIGS, save_tiny_hf_model
 from megatron_grpo.testing.distributed import run_distributed
-from tests.first_step import compare_updates, first_step, relative_difference, uneven_samples
+from tests.first_step import SingleProcessSteps, compare_updates, first_step, relative_difference
 from tests.test_moe_models import TOLERANCE, _logits_and_export, _tokens
 
 FAMILIES = ("qwen2_moe", "glm4_moe")
@@ -287,19 +287,7 @@ STEP_ETP = {"qwen2_moe": 1, "glm4_moe": None}
 
 @pytest.fixture(scope="module")
 def single_step(tmp_path_factory):
-    """family -> (policy folder, samples, overrides, the single process's first step), each family's
-    single-process step run once for the module."""
-    done = {}
-
-    def get(family):
-        if family not in done:
-            policy = str(save_tiny_hf_model(family, tmp_path_factory.mktemp(f"step_{family}") / "policy", seed=3))
-            # 32 sequences (4 prompts x 8): with 16, one of glm4_moe's 16 experts got no token and no update
-            samples, n8 = uneven_samples(32, TINY_CONFIGS[family]["vocab_size"]), ("rollout.n=8",)
-            done[family] = policy, samples, n8, run_distributed(first_step, 1, args=(policy, {}, samples, n8),
-                                                                timeout=300)[0]
-        return done[family]
-    return get
+    return SingleProcessSteps(tmp_path_factory)
 
 
 @pytest.mark.slow

@@ -86,7 +86,8 @@ def test_hf_names_of_the_moe_model():
     assert "model.layers.0.mlp.gate_proj.weight" not in names
 
 
-def _logits_and_export(rank, world_size, path, tp, pp, ep, etp):
+def _logits_and_export(rank, world_size, path, tp, pp, ep, etp, attention_class="SelfAttention"):
+    """(this rank's logits or None, the HF export on rank 0) of the HF folder built at (TP, PP, EP, ETP)."""
     from megatron_grpo.convert import load_hf_weights
     from megatron_grpo.convert.export import gather_hf_weights_on_rank0
     from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
@@ -98,9 +99,14 @@ def _logits_and_export(rank, world_size, path, tp, pp, ep, etp):
     cfg = ModelArchitecture.from_hf(path, tensor_parallel=tp, vocab_multiple=8)
     chunks = build_reference_model(cfg, layout)
     load_hf_weights(chunks, cfg, path)
-    local_experts = {len(layer.mlp.local_expert_indices) for layer in chunks[0].decoder.layers
+    attention = chunks[0].decoder.layers[0].self_attention
+    assert type(attention).__name__ == attention_class
+    assert attention.num_attention_heads_per_partition == cfg.num_attention_heads // tp  # heads split over TP
+    layers = chunks[0].decoder.layers
+    local_experts = {len(layer.mlp.local_expert_indices) for layer in layers
                      if hasattr(layer.mlp, "local_expert_indices")}
-    assert local_experts == {cfg.num_experts // ep}
+    sparse_here = any(layer.layer_number - 1 in cfg.moe_layers for layer in layers)
+    assert local_experts == ({cfg.num_experts // ep} if sparse_here else set())  # a dense-only stage has none
     full = forward_only_logits(chunks, _tokens(cfg.vocab_size))
     logits = None if full is None else full[..., : cfg.vocab_size].numpy()
     exported = {name: tensor.clone() for name, tensor in gather_hf_weights_on_rank0(chunks, cfg)}
