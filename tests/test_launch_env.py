@@ -386,8 +386,10 @@ def test_server_ports_lie_below_the_ephemeral_range_and_skip_taken_ones(monkeypa
     first = free_server_port(count=4, stride=10)
     assert first + 30 < low and (first >= 20000 or low < 21040)  # a range starting lower: [1024, low)
     with socket.socket() as thief:
+        thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind, through the reservation
         thief.bind(("127.0.0.1", free_server_port()))
-        taken, free = thief.getsockname()[1], free_server_port()
+        taken = thief.getsockname()[1]
+        free = next(p for p in range(low - 1, 20000, -1) if launch_env._bindable("127.0.0.1", p))
         picks = iter([taken, free])
 
         class Picks:
@@ -396,6 +398,39 @@ def test_server_ports_lie_below_the_ephemeral_range_and_skip_taken_ones(monkeypa
 
         monkeypatch.setattr(launch_env.random, "Random", Picks)
         assert free_server_port() == free
+
+
+def test_a_server_port_is_handed_out_once_and_its_server_binds_it():
+    """A test's router and one of its engines once drew the same port (each pick probed a port that
+    no process bound yet): the router exited "Address already in use". A picked port stays bound
+    here until its server starts: another pick, here or in another process, skips it, while a
+    server (SO_REUSEADDR, as uvicorn, sglang-router, TCPStore and Slurm bind) still listens on it."""
+    import socket
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed
+
+    picked = {free_server_port(count=2, stride=10) for _ in range(50)}
+    held = sorted(picked | {p + 10 for p in picked})
+    assert len(held) == 100  # no port handed out twice, no pair overlapping another
+    probe = ("import sys; from megatron_grpo.launch.env import _bindable; "
+             "print([p for p in sys.argv[1:] if _bindable('127.0.0.1', int(p))])")
+    other_process = subprocess.run([sys.executable, "-c", probe, *map(str, held)], capture_output=True, text=True,
+                                   check=True)
+    assert other_process.stdout.strip() == "[]"  # another process's free_server_port skips them all
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", held[0]))
+        server.listen()
+        with socket.create_connection(("127.0.0.1", held[0]), timeout=5):
+            pass
+    # the MPI rendezvous: rank 0 picks on every interface and torch's store listens there
+    store = torch.distributed.TCPStore("127.0.0.1", free_server_port(""), 1, is_master=True,
+                                       timeout=timedelta(seconds=10))
+    store.set("rendezvous", "done")
+    assert store.get("rendezvous") == b"done"
 
 
 # ----------------------------------------------------------------------------- a rendezvous that cannot complete

@@ -29,6 +29,8 @@ import contextlib
 import random
 import re
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -115,15 +117,57 @@ def free_server_port(host: str = "127.0.0.1", count: int = 1, stride: int = 1) -
     """A port p below this machine's ephemeral range with p, p + stride, ... (count ports) free now,
     for servers that a later process starts. free_port() hands out an ephemeral port, which any
     client socket or srun's own I/O listener (both bind port 0) may take before the server binds
-    it; once srun held an engine's port and answered its health checks ("Insane message length")."""
+    it; once srun held an engine's port and answered its health checks ("Insane message length").
+    The ports stay reserved (_PortReservations) so that no other call hands them out meanwhile."""
     end = ephemeral_range_start() - count * stride
     start = _SERVER_PORT_START if end - _SERVER_PORT_START >= 1000 else 1024
     rng = random.Random()
     for _ in range(200):
         first = rng.randrange(start, end)
-        if all(_bindable(host, first + k * stride) for k in range(count)):
+        ports = [first + k * stride for k in range(count)]
+        if all(_bindable(host, port) for port in ports) and _RESERVATIONS.hold(host, ports):
             return first
     raise LaunchError(f"no {count} free ports {stride} apart in [{start}, {end}) on {host}")
+
+
+class _PortReservations:
+    """Ports handed out by free_server_port, kept bound (SO_REUSEADDR, never listening) by this
+    process for a while. Between the pick and the server's bind, another pick (in this process or
+    any other: _bindable probes without SO_REUSEADDR) used to get the same port: a test's router and
+    one of its own engines once drew one port and the router exited "Address already in use". The
+    servers themselves bind through a reservation: uvicorn (SGLang), sglang-router, torch's TCPStore,
+    http.server and Slurm's daemons all set SO_REUSEADDR, and Linux lets such a socket bind a port
+    whose holder does not listen. Ports are released _HOLD_S after their pick, by a later pick."""
+
+    _HOLD_S = 900.0  # longer than any server here takes to start listening
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[tuple[float, socket.socket]] = []
+
+    def hold(self, host: str, ports: list[int]) -> bool:
+        """Reserves all of `ports`, or none (False) where one was bound since it was probed."""
+        now = time.monotonic()
+        with self._lock:
+            for picked, sock in self._held:
+                if now - picked > self._HOLD_S:
+                    sock.close()
+            self._held = [(picked, sock) for picked, sock in self._held if now - picked <= self._HOLD_S]
+            new = []
+            try:
+                for port in ports:
+                    new.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    new[-1].setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    new[-1].bind((host, port))
+            except OSError:
+                for sock in new:
+                    sock.close()
+                return False
+            self._held += [(now, sock) for sock in new]
+            return True
+
+
+_RESERVATIONS = _PortReservations()  # one per process: the ports are a machine-wide resource
 
 
 def ephemeral_range_start() -> int:
