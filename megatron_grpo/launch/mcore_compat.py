@@ -84,23 +84,44 @@ def transformer_engine_layer_spec(*, qk_layernorm: bool, num_experts: int | None
 def mla_without_transformer_engine():
     """Around building megatron-core's MLASelfAttention when transformer_engine does not import.
 
-    megatron-core 0.16.1's multi_latent_attention.py sets HAVE_TE from importing
-    megatron.core.extensions.transformer_engine, which imports without TE (it puts a MagicMock in TE's
-    place), so HAVE_TE is True and TELinear a MagicMock; MultiLatentAttention.__init__ then calls
-    isinstance(self.linear_proj, TELinear), a TypeError ("arg 2 must be a type"). HAVE_TE is set to what it
-    means (False) inside this block only, restored after; nothing else of the module reads it (its forward
-    does not). With TE installed (TELinear a class) this does nothing."""
+    0.16.1: multi_latent_attention.py sets HAVE_TE from importing megatron.core.extensions.transformer_engine,
+    which imports without TE (it puts a MagicMock in TE's place), so HAVE_TE is True and TELinear a MagicMock;
+    MultiLatentAttention.__init__ then calls isinstance(self.linear_proj, TELinear), a TypeError ("arg 2 must
+    be a type"). HAVE_TE is set to what it means (False) inside this block only, restored after; nothing else
+    of the module reads it (its forward does not).
+    0.19: HAVE_TE is False without TE, and the module then binds the model-opt `Linear` to None, so its check
+    of the down projections' class refuses replicated_linear() ("Unsupported linear_q_down_proj"); inside
+    this block the name is the class it stands for. 0.19 also resolves the q / kv norms and up projections
+    from config.qk_layernorm (mla_qk_norm_config.py), which cannot say "no q norm, a kv norm" for a model
+    without q_lora_rank (DeepSeek-V2-Lite's layout: it asks for a fused norm + q_proj, a norm HF's model does
+    not have); inside this block the layer spec's own classes are built, as 0.16.1 builds them. With TE
+    installed (TELinear a class) this does nothing."""
     from megatron.core.transformer import multi_latent_attention
 
     if isinstance(multi_latent_attention.TELinear, type):
         yield
         return
-    before = multi_latent_attention.HAVE_TE
+    attention = multi_latent_attention.MLASelfAttention
+    before = (multi_latent_attention.HAVE_TE, getattr(multi_latent_attention, "Linear", None),
+              attention.__dict__.get("_resolve_qk_norm_config"))
     multi_latent_attention.HAVE_TE = False
+    if hasattr(multi_latent_attention, "Linear") and multi_latent_attention.Linear is None:
+        multi_latent_attention.Linear = replicated_linear()
+    if before[2] is not None:
+        attention._resolve_qk_norm_config = _mla_spec_as_given
     try:
         yield
     finally:
-        multi_latent_attention.HAVE_TE = before
+        multi_latent_attention.HAVE_TE = before[0]
+        if before[1] is None and hasattr(multi_latent_attention, "Linear"):
+            multi_latent_attention.Linear = None
+        if before[2] is not None:
+            attention._resolve_qk_norm_config = before[2]
+
+
+def _mla_spec_as_given(self, submodules) -> dict:
+    return {name: getattr(submodules, name)
+            for name in ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj", "q_layernorm", "kv_layernorm")}
 
 
 def replicated_linear() -> type:

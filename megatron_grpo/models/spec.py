@@ -99,6 +99,10 @@ def layer_spec(model_config: ModelArchitecture, context_parallel: int = 1, backe
 
         attention = spec.submodules.self_attention.submodules
         attention.linear_q_down_proj = attention.linear_kv_down_proj = replicated_linear()
+        if not model_config.q_lora_rank:  # one q_proj, no q_a_layernorm (megatron-core 0.19 refuses an unused one)
+            from megatron.core.transformer.identity_op import IdentityOp
+
+            attention.q_layernorm = IdentityOp
     return spec
 
 

@@ -241,7 +241,7 @@ class PackedDotProductAttention(_dot_product_attention_base()):
     Multi-head latent attention (megatron-core's MLASelfAttention) builds its core attention with
     k_channels (the q/k head: nope + rope dims) and v_channels (the value head), which megatron's local
     DotProductAttention does not take (only TE's does); its math needs neither (scores use q and k's own
-    last dim, the context v's), only the output width heads x v_channels, set here."""
+    last dim, the context v's), only the padded batch's output width heads x v_channels, set here."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
@@ -260,7 +260,9 @@ class PackedDotProductAttention(_dot_product_attention_base()):
         check_packed_supported(self.config, self.attn_mask_type)
         # megatron's attention squeezed THD inputs to [t, heads, d] (batch dimension 1)
         context = self.packed_attention(query, key, value, packed_seq_params)
-        return context.reshape(context.size(0), self.hidden_size_per_partition)
+        # heads x the value's width: megatron-core >= 0.19's MLA pads a packed batch's value head to the q/k
+        # head and trims the output itself
+        return context.reshape(context.size(0), -1)
 
     def packed_attention(self, query, key, value, packed_seq_params):
         """[t, heads, d] -> [t, heads, d]; ops.torch_varlen's subclass runs torch's varlen_attn instead."""
