@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -29,7 +28,7 @@ from megatron_grpo.models.hf_config import ModelArchitecture, YarnRopeScaling
 from megatron_grpo.models.tiny import TINY_CONFIGS, save_tiny_hf_model
 from megatron_grpo.testing.distributed import run_distributed
 from tests.first_step import SingleProcessSteps, compare_updates, first_step, relative_difference, uneven_samples
-from tests.test_moe_models import TOLERANCE, _logits_and_export, _tokens
+from tests.test_moe_models import TOLERANCE, _logits_and_export, _tokens, check_logits_and_round_trip
 
 CONFIGS = ("deepseek_v3", "deepseek_v3_lite")
 FP32_EPS = float(torch.finfo(torch.float32).eps)
@@ -202,23 +201,9 @@ def _run(hf_models, family, tp, pp, ep, etp):
 
 @pytest.mark.parametrize("family, tp, pp, ep, etp", LAYOUTS)
 def test_logits_match_hf_and_export_is_bitwise(hf_models, family, tp, pp, ep, etp):
-    from safetensors.torch import load_file
-
     path, ref = hf_models[family]
     results = _run(hf_models, family, tp, pp, ep, etp)
-    world = len(results)
-    logits = [r[0] for r in results if r[0] is not None]
-    assert len(logits) == world // pp  # every rank of the last stage
-    for got in logits:
-        rel = np.abs(got - ref).max() / np.abs(ref).max()
-        print(f"{family} TP={tp} PP={pp} EP={ep} ETP={etp}: max relative error {rel:.2e}")
-        assert rel <= TOLERANCE, f"{family} TP={tp} PP={pp} EP={ep} ETP={etp}: max relative error {rel:.2e}"
-    original = load_file(f"{path}/model.safetensors")
-    exported = results[0][1]
-    assert sorted(exported) == sorted(original)
-    different = [name for name in original if not torch.equal(exported[name], original[name])]
-    assert not different, f"HF -> Megatron -> HF changed {different[:5]}"
-    assert all(not r[1] for r in results[1:])  # the export arrives on rank 0 only
+    check_logits_and_round_trip(results, ref, path, f"{family} TP={tp} PP={pp} EP={ep} ETP={etp}", pp)
 
 
 # ---- the exported stream into SGLang's own model class ------------------------------------------

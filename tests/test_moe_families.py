@@ -28,7 +28,7 @@ from megatron_grpo.models.hf_config import ModelArchitecture
 from megatron_grpo.models.tiny import TINY_CONFIGS, save_tiny_hf_model
 from megatron_grpo.testing.distributed import run_distributed
 from tests.first_step import SingleProcessSteps, compare_updates, first_step, relative_difference
-from tests.test_moe_models import TOLERANCE, _logits_and_export, _tokens
+from tests.test_moe_models import TOLERANCE, _logits_and_export, _tokens, check_logits_and_round_trip
 
 FAMILIES = ("qwen2_moe", "glm4_moe")
 
@@ -136,22 +136,10 @@ LAYOUTS = [  # (TP, PP, EP, ETP); ETP None = TP
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, pp, ep, etp", LAYOUTS)
 def test_logits_match_hf_and_export_is_bitwise(hf_family, tp, pp, ep, etp):
-    from safetensors.torch import load_file
-
     family, path, ref = hf_family
     world = max(tp * pp, ep * (etp or tp) * pp)
     results = run_distributed(_logits_and_export, world_size=world, args=(path, tp, pp, ep, etp), timeout=300)
-    logits = [r[0] for r in results if r[0] is not None]
-    assert len(logits) == world // pp
-    for got in logits:
-        rel = np.abs(got - ref).max() / np.abs(ref).max()
-        print(f"{family} TP={tp} PP={pp} EP={ep} ETP={etp}: max relative error {rel:.2e}")
-        assert rel <= TOLERANCE, f"{family} TP={tp} PP={pp} EP={ep} ETP={etp}: max relative error {rel:.2e}"
-    original = load_file(f"{path}/model.safetensors")
-    exported = results[0][1]
-    assert sorted(exported) == sorted(original)
-    different = [name for name in original if not torch.equal(exported[name], original[name])]
-    assert not different, f"HF -> Megatron -> HF changed {different[:5]}"
+    check_logits_and_round_trip(results, ref, path, f"{family} TP={tp} PP={pp} EP={ep} ETP={etp}", pp)
 
 
 @pytest.mark.slow
