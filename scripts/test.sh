@@ -26,5 +26,5 @@ bash scripts/start_local_slurm.sh || echo "local Slurm not started: the Slurm te
 trap 'bash scripts/stop_local_slurm.sh >/dev/null 2>&1 || true' EXIT
 # Most tests wait on processes they spawned (servers, ranks, launchers): two workers keep the two
 # cores busier (three peaked at 22 of 24 GiB). One file per worker (--dist loadfile), so a module's
-# fixtures (servers, references) are built once, in the order tests/conftest.py sets (the longest first).
-.venv/bin/python -m pytest -n "${MEGATRON_GRPO_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+# fixtures (servers, references) are built once.
+.venv/bin/python -m pytest -n "${MEGATRON_GRPO_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -7,8 +7,6 @@ megatron-core 0.19) runs `-m "versions and not slow"` and the embedded default; 
 everything. A new module that calls those libraries belongs in this list."""
 from __future__ import annotations
 
-import collections
-
 import pytest
 
 VERSION_SENSITIVE = frozenset({
@@ -24,18 +22,7 @@ VERSION_SENSITIVE = frozenset({
 })
 
 
-# Modules handed out first: pytest-xdist's loadfile order (scripts/test.sh passes --no-loadscope-reorder, so
-# this order is kept) is otherwise most tests first, which left the in-job restart on the local Slurm, one test
-# of ~240 s, to run alone at the end of CI's suite. It must not run beside tests/test_slurm.py (both restart
-# the one local Slurm with their own nodes), which has more tests and so runs well after it.
-LONGEST_FIRST = ("test_restart_slurm",)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.stem in VERSION_SENSITIVE:
             item.add_marker(pytest.mark.versions)
-    # the longest modules, then xdist's own order (most tests first); a module's tests stay together (stable)
-    tests_in = collections.Counter(item.path for item in items)
-    first = {stem: i for i, stem in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: (first.get(item.path.stem, len(first)), -tests_in[item.path]))
