@@ -113,3 +113,20 @@ def compare_updates(policy_path: str, weights: dict, ref_weights: dict, toleranc
         worst[f"update {name}"] = relative_difference(weights[name] - before[name], ref_update)
         allowed[f"update {name}"] = tolerance + rounding
     return worst, allowed
+
+
+STEP_METRICS = ("actor/loss", "actor/pg_loss", "actor/entropy", "actor/grad_norm")
+
+
+def check_step_equals_single(label: str, step: tuple, single: tuple, policy_path: str, tolerance: float,
+                             metrics: tuple[str, ...] = STEP_METRICS, frozen: tuple[str, ...] = ()) -> None:
+    """A parallel first step ((metrics, weights) of first_step's rank 0) against the single process's:
+    each metric within `tolerance` relative, each tensor's update within compare_updates' allowance;
+    prints the three worst."""
+    worst = {key: relative_difference(step[0][key], single[0][key]) for key in metrics}
+    update_worst, allowed = compare_updates(policy_path, step[1], single[1], tolerance, frozen=frozen)
+    worst.update(update_worst)
+    print(label, {k: f"{v:.1e} of {allowed.get(k, tolerance):.1e}"
+                  for k, v in sorted(worst.items(), key=lambda kv: -kv[1])[:3]})
+    bad = {k: v for k, v in worst.items() if v > allowed.get(k, tolerance)}
+    assert not bad, f"{label}: differs from the single process beyond {tolerance:.0e}: {bad}"

@@ -27,10 +27,9 @@ import pytest
 
 from megatron_grpo.models.tiny import save_tiny_hf_model
 from megatron_grpo.testing.distributed import run_distributed
-from tests.first_step import compare_updates, first_step, relative_difference, uneven_samples
+from tests.first_step import STEP_METRICS, check_step_equals_single, first_step, uneven_samples
 
 TOLERANCE = 1e-5
-METRICS = ("actor/loss", "actor/pg_loss", "actor/entropy", "actor/grad_norm")
 # The routers' statistics, reduced over all ranks (models/moe_metrics.py): the same wherever the
 # layout adds no padding positions (the routers route padding too; TP's SP multiple and PP's common
 # shape add some, so those layouts see other positions).
@@ -61,13 +60,6 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_first_grpo_step_at_expert_parallel_equals_single_process(policy, single, layout):
     world, parallel = LAYOUTS[layout]
-    metrics, weights = run_distributed(first_step, world, args=(policy, parallel, uneven_samples(16, 250)),
-                                       timeout=600)[0]
-    ref_metrics = single[0]
-    compared = METRICS + (MOE_METRICS if layout in ("ep2", "ep2-dp2") else ())
-    worst = {key: relative_difference(metrics[key], ref_metrics[key]) for key in compared}
-    update_worst, allowed = compare_updates(policy, weights, single[1], TOLERANCE)  # every expert got tokens
-    worst.update(update_worst)
-    print(layout, {k: f"{v:.1e}" for k, v in sorted(worst.items(), key=lambda kv: -kv[1])[:5]})
-    bad = {k: v for k, v in worst.items() if v > allowed.get(k, TOLERANCE)}
-    assert not bad, f"{layout}: differs from the single process beyond {TOLERANCE:.0e}: {bad}"
+    step = run_distributed(first_step, world, args=(policy, parallel, uneven_samples(16, 250)), timeout=600)[0]
+    compared = STEP_METRICS + (MOE_METRICS if layout in ("ep2", "ep2-dp2") else ())
+    check_step_equals_single(layout, step, single, policy, TOLERANCE, metrics=compared)  # every expert got tokens
