@@ -156,8 +156,7 @@ class _PortReservations:
             new = []
             try:
                 for port in ports:
-                    new.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-                    new[-1].setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    new.append(_reusable_socket())
                     new[-1].bind((host, port))
             except OSError:
                 for sock in new:
@@ -193,13 +192,19 @@ def reserve_port(host: str = "127.0.0.1"):
     it to no one else (no bind(0), no outgoing connection) in between. A listener that sets
     SO_REUSEADDR (torch's TCPStore, most servers) can bind and listen on it meanwhile: Linux lets a
     second SO_REUSEADDR socket bind a port whose holder is not listening."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = _reusable_socket()
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
         yield sock.getsockname()[1]
     finally:
         sock.close()
+
+
+def _reusable_socket() -> socket.socket:
+    """A TCP socket with SO_REUSEADDR: a listener that sets it too may bind its port while it is bound."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return sock
 
 
 # ----------------------------------------------------------------------------------- torchrun

@@ -102,21 +102,22 @@ def mla_without_transformer_engine():
         yield
         return
     attention = multi_latent_attention.MLASelfAttention
-    before = (multi_latent_attention.HAVE_TE, getattr(multi_latent_attention, "Linear", None),
-              attention.__dict__.get("_resolve_qk_norm_config"))
+    have_te = multi_latent_attention.HAVE_TE
+    linear_unbound = "Linear" in vars(multi_latent_attention) and multi_latent_attention.Linear is None  # 0.19
+    resolver = vars(attention).get("_resolve_qk_norm_config")  # 0.19
     multi_latent_attention.HAVE_TE = False
-    if hasattr(multi_latent_attention, "Linear") and multi_latent_attention.Linear is None:
+    if linear_unbound:
         multi_latent_attention.Linear = replicated_linear()
-    if before[2] is not None:
+    if resolver is not None:
         attention._resolve_qk_norm_config = _mla_spec_as_given
     try:
         yield
     finally:
-        multi_latent_attention.HAVE_TE = before[0]
-        if before[1] is None and hasattr(multi_latent_attention, "Linear"):
+        multi_latent_attention.HAVE_TE = have_te
+        if linear_unbound:
             multi_latent_attention.Linear = None
-        if before[2] is not None:
-            attention._resolve_qk_norm_config = before[2]
+        if resolver is not None:
+            attention._resolve_qk_norm_config = resolver
 
 
 def _mla_spec_as_given(self, submodules) -> dict:
