@@ -149,6 +149,104 @@ def test_sighup_stops_too_and_a_second_ctrl_c_aborts_at_once(tmp_path):
         run_distributed(_terminal_signals, 1, (str(tmp_path / "stderr"),), init_group=False, timeout=60)
 
 
+def _second_ctrl_c_inside_a_collective(rank, world_size, second, stderr_path):
+    """Rank 0 waits in a broadcast that rank 1 never joins (as the ranks wait for one another in
+    every step); Ctrl-C reaches it there, then `second`: SIGINT (Ctrl-C again) or SIGTERM
+    (torchrun's answer to a second Ctrl-C, its ranks being in sessions of their own)."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_grpo.trainer.signals import StopSignals
+
+    StopSignals().install()
+    if rank == 1:
+        time.sleep(60)  # never joins
+        return "rank 1 waited"
+    with open(stderr_path, "wb") as handle:
+        os.dup2(handle.fileno(), 2)
+
+    def ctrl_c_twice():
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)
+        os.kill(os.getpid(), second)
+
+    threading.Thread(target=ctrl_c_twice, daemon=True).start()
+    dist.broadcast(torch.zeros(1), src=1)  # the main thread waits in gloo, where Python runs no handler
+    return "the broadcast returned"
+
+
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_second_ctrl_c_ends_a_rank_waiting_inside_a_collective(tmp_path, second):
+    """Two Ctrl-C under torchrun left the ranks running until torchrun's SIGKILL 30 s later: a rank
+    waiting inside a gloo collective runs no Python signal handler, so the first SIGINT had not
+    given SIGINT its default action yet, and torchrun turns the second Ctrl-C into SIGTERM, which
+    only set the stop flag again. Now the second one (SIGINT, or SIGTERM after SIGINT) ends the
+    rank at once, exit 130, with one line on rank 0."""
+    import time
+
+    from megatron_grpo.testing.distributed import DistributedChildError
+
+    stderr = tmp_path / "stderr"
+    start = time.monotonic()
+    with pytest.raises(DistributedChildError, match="exited with code 130 before reporting"):
+        run_distributed(_second_ctrl_c_inside_a_collective, 2, (second, str(stderr)), timeout=30)
+    assert time.monotonic() - start < 20
+    why = "SIGINT again" if second == signal.SIGINT else "SIGTERM after SIGINT (torchrun's answer to a second Ctrl-C)"
+    assert stderr.read_text() == f"megatron-grpo: {why}: aborting at once, without a checkpoint\n"
+
+
+def _console_gone(rank, world_size, out_dir, how):
+    """The trainer's console writes (metrics logger with its progress bar, the loop's closing
+    lines) as `megatron-grpo train ... 2>log` meets a console that goes away: stderr goes to a
+    file; stdout is a terminal (a pty made here) that closes, the kernel hanging it up, then
+    SIGHUP arrives (how="hangup"); or a pipe whose reader exits (how="pipe": `| tee` closed).
+    Returns the steps in metrics.jsonl and what the stop flag says."""
+    import sys
+
+    from megatron_grpo.trainer.metrics import MetricsLogger, SinkOptions
+    from megatron_grpo.trainer.signals import StopSignals
+
+    out = Path(out_dir)
+    if how == "hangup":
+        reader, console = os.openpty()
+    else:
+        reader, console = os.pipe()
+    os.dup2(console, 1)
+    os.close(console)
+    sys.stdout.reconfigure(line_buffering=True)  # as Python sets it up on a terminal
+    with open(out / "stderr", "wb") as handle:
+        os.dup2(handle.fileno(), 2)
+    stop = StopSignals().install()
+    logger = MetricsLogger(SinkOptions(output_dir=str(out), console=True), total_steps=3)
+    logger.log(1, {"reward/mean": 0.25})
+    logger.message("eval after step 1")
+    os.close(reader)  # the terminal window closes / tee exits
+    if how == "hangup":
+        os.kill(os.getpid(), signal.SIGHUP)
+    stopping = stop.requested()
+    logger.log(2, {"reward/mean": 0.5})
+    logger.message("stopped by SIGHUP after step 2; checkpoint step_2")
+    logger.close()
+    print("done: metrics in metrics.jsonl", flush=True)  # main's last line
+    stop.uninstall()
+    return [json.loads(line)["step"] for line in open(out / "metrics.jsonl")], stopping
+
+
+@pytest.mark.parametrize("how", ["hangup", "pipe"])
+def test_a_console_that_goes_away_does_not_fail_the_run(tmp_path, how):
+    """A closed terminal (SIGHUP) with stderr to a file saved the checkpoint, then the loop's
+    "stopped by SIGHUP" line raised EIO and the run exited 1: a hung-up terminal no longer says it
+    is one, so SIGHUP's detaching of the terminal missed it. stdout / stderr that were a terminal
+    or are gone now write to /dev/null after SIGHUP, and a console write that fails with EIO /
+    EPIPE (a pipe's reader exited; no signal) detaches the console instead of failing the run."""
+    steps, stopping = run_distributed(_console_gone, 1, (str(tmp_path), how), init_group=False, timeout=60)[0]
+    assert steps == [1, 2] and stopping == (how == "hangup")
+    assert "Traceback" not in (tmp_path / "stderr").read_text()
+
+
 # ----------------------------------------------------------------------------- layout / skipping
 
 
@@ -210,6 +308,43 @@ def test_latest_pointer_is_replaced_atomically(tmp_path):
     write_atomic(tmp_path / "latest", b"step_2\n")
     assert (tmp_path / "latest").read_text() == "step_2\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]  # no temp file left
+
+
+def test_a_full_device_is_named_through_megatron_and_torch_dcp_wrapping():
+    """A save that filled the device inside megatron's writer process reported torch DCP's
+    CheckpointException: its str is every failing rank's traceback, and the OSError itself never
+    reaches the trainer (megatron re-raises it as "Worker failure: [Errno 28] ...", and DCP's
+    gather pickles that, dropping its __cause__). The reason is one line naming the full device,
+    found through the wrapping, with or without the cause; other failures stay one line."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from megatron_grpo.trainer.state.checkpoint import save_failure_reason
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/ckpt/.tmp-step_2/model_optim/__0_0.distcp")
+    try:  # megatron's FileSystemWriterAsync.retrieve_write_results
+        raise RuntimeError(f"Worker failure: {full}") from full
+    except RuntimeError as exc:
+        wrapped = _wrap_exception(exc)
+    expected = f"no space left on the device ({full})"
+    gathered = pickle.loads(pickle.dumps(wrapped))  # as DCP's gather sends it: the cause is gone
+    assert gathered[0].__cause__ is None
+    assert save_failure_reason(CheckpointException("write", {0: gathered})) == expected
+    assert save_failure_reason(CheckpointException("write", {1: wrapped})) == expected
+    assert save_failure_reason(full) == expected
+    quota = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), "/ckpt/.tmp-step_2/trainer_state.json")
+    try:
+        raise ValueError("save failed") from quota
+    except ValueError as exc:
+        assert save_failure_reason(exc) == f"no space left on the device ({quota})"
+    denied = OSError(errno.EACCES, os.strerror(errno.EACCES), "/ckpt")
+    assert save_failure_reason(denied) == f"folder not writable ({denied})"
+    try:
+        raise KeyError("model.decoder")
+    except KeyError as exc:
+        other = CheckpointException("write", {0: _wrap_exception(exc)})
+    assert save_failure_reason(other) == "rank 0: KeyError: 'model.decoder'"
 
 
 # ----------------------------------------------------------------------------- security

@@ -5,6 +5,7 @@ saves): every restart resumes from the newest complete checkpoint and ends where
 run ends."""
 import dataclasses
 import errno
+import functools
 import json
 import os
 import random
@@ -120,22 +121,35 @@ def test_nan_updates_are_skipped_counted_and_stop_the_run(tmp_path):
 # ----------------------------------------------------------------------------- save failures
 
 
-def _train_with_failing_save(rank, world_size, overrides, fail_at_step, error=errno.ENOSPC):
+def _train_with_failing_save(rank, world_size, overrides, fail_at_step, error=errno.ENOSPC, where="trainer_state"):
     """Saves every step; writing checkpoint `fail_at_step` raises OSError(error) (default ENOSPC:
-    disk full)."""
+    disk full): in our trainer_state.json, or (where="shards") in megatron's checkpoint writer
+    process, whose error reaches the trainer wrapped by megatron and torch DCP."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
     from megatron_grpo.config import load_config
     from megatron_grpo.errors import CheckpointError
     from megatron_grpo.checkpointing import layout
     from megatron_grpo.trainer import loop
 
-    write_file = layout.write_file
+    write_file, write_item = layout.write_file, filesystem_async._write_item
 
     def full_disk(path, data):
         if f"step_{fail_at_step}" in str(path) and path.name == "trainer_state.json":
             raise OSError(error, os.strerror(error), str(path))
         return write_file(path, data)
 
-    layout.write_file = full_disk
+    @functools.wraps(write_item)  # megatron reads its signature
+    def full_disk_in_writer(*args, **kwargs):  # megatron's forked writer: (transforms..., stream, data, item, key)
+        stream = next(a for a in args if isinstance(getattr(a, "name", None), str))
+        if f".tmp-step_{fail_at_step}" in stream.name:
+            raise OSError(error, os.strerror(error), stream.name)
+        return write_item(*args, **kwargs)
+
+    if where == "shards":
+        filesystem_async._write_item = full_disk_in_writer
+    else:
+        layout.write_file = full_disk
     try:
         loop.train(load_config("tiny_cpu", overrides))
     except CheckpointError as exc:
@@ -144,16 +158,20 @@ def _train_with_failing_save(rank, world_size, overrides, fail_at_step, error=er
 
 
 def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path):
+    """The device fills up while megatron's writer process writes the model shards: the error
+    reached us as torch DCP's CheckpointException around megatron's "Worker failure: [Errno 28]
+    ..." text (the OSError itself stays in the writer process), and the message was that
+    exception's multi-line traceback dump. It is one line naming the folder and the full device."""
     from megatron_grpo.checkpointing.layout import validate_checkpoint
 
     root = tmp_path / "ckpt"
     overrides = [*FAST, "trainer.total_steps=3", "checkpoint.save_interval=1", f"checkpoint.save_dir={root}",
                  f"logging.output_dir={tmp_path}"]
-    message = run_distributed(_train_with_failing_save, 1, (overrides, 2), timeout=300)[0]
-    assert message == (f"saving checkpoint step 2 to {root} failed: disk full ([Errno 28] No space left on "
-                       f"device: '{root}/.tmp-step_2/trainer_state.json'); the previous checkpoint "
-                       f"{root}/step_1 is intact")
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1"]  # the partial save is gone
+    message = run_distributed(_train_with_failing_save, 1, (overrides, 2, errno.ENOSPC, "shards"), timeout=300)[0]
+    assert message == (f"saving checkpoint step 2 to {root} failed: no space left on the device ([Errno 28] No "
+                       f"space left on device: '{root}/.tmp-step_2/model_optim/__0_0.distcp'); the previous "
+                       f"checkpoint {root}/step_1 is intact")
+    assert sorted(p.name for p in root.iterdir()) == [".run.lock", "latest", "step_1"]  # the partial save is gone
     assert (root / "latest").read_text().strip() == "step_1"
     assert validate_checkpoint(root / "step_1") is None
 

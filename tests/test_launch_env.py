@@ -480,3 +480,22 @@ def test_a_rendezvous_that_cannot_complete_says_what_it_waits_for_and_fails_by_i
     error, elapsed = outcome[1]
     assert error.startswith(f"rank 1: nobody opened the rendezvous at {where[1]} within 2.5 s") and elapsed < 10
     assert any(f"rank 1 waits for rank 0 to open the rendezvous at {where[1]}" in m for m in said), said
+
+
+def test_a_master_addr_that_does_not_resolve_is_one_line_at_once(monkeypatch):
+    """MASTER_ADDR=<a host no resolver knows> waited the whole rendezvous timeout (600 s) with
+    notices that never said why; init_distributed now names the variable and its value at once,
+    before any rendezvous (here the timeout is 2 s: the old code failed after it, without a word
+    about the name)."""
+    import time
+
+    from megatron_grpo.launch.distributed import init_distributed
+
+    monkeypatch.setenv("GRPO_RENDEZVOUS_TIMEOUT_S", "2")
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29511"}
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        init_distributed(env=env)
+    assert str(info.value).startswith("MASTER_ADDR=no-such-host.invalid does not resolve to an address (")
+    assert "\n" not in str(info.value) and time.monotonic() - start < 2

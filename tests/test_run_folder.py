@@ -199,7 +199,8 @@ def test_unusable_model_path_is_one_line(tmp_path, kind):
     line = one_error_line(train(f"model.path={value}", f"logging.output_dir={tmp_path / 'out'}",
                                 "trainer.total_steps=1", env={"HF_HUB_OFFLINE": "1"}))
     expected = {"empty folder": f"error: model.path={value}: the folder is empty; expected an HF model folder",
-                "missing path": f"error: model.path={value}: no such folder; expected an HF model folder",
+                # named before anything starts (config/model_paths.py), as every missing local model path
+                "missing path": f"error: model.path={value}: no such file or folder (a local path: it starts with /;",
                 "offline hub id": f"error: model.path={value}: no such local folder, and the Hugging Face hub could "
                                   f"not provide it (HF_HUB_OFFLINE=1 and it is not in the cache "}[kind]
     assert line.startswith(expected), line
@@ -292,3 +293,68 @@ def test_a_folder_without_a_complete_checkpoint_is_refused_unless_told(tmp_path,
     assert "checkpoint.resume=force: " in caplog.text and "starting from step 0" in caplog.text
     assert check_run_folder(config("checkpoint.resume=never", "logging.overwrite=true")) == []
     assert snapshot(tmp_path / "run.old-1") == before
+
+
+# ----------------------------------------------------------------------------- one run at a time
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from megatron_grpo.trainer.state.run_lock import lock_folder
+lock = lock_folder("logging.output_dir", Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(300)
+"""
+
+
+def hold_in_another_process(folder: Path) -> subprocess.Popen:
+    """A process that holds `folder`'s run lock until killed (as rank 0 of a training run does)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_held_run_folder_is_refused_naming_its_holder_and_free_once_the_holder_is_killed(tmp_path):
+    """Two runs into one folder interleaved their metrics.jsonl rows and overwrote each other's
+    run.json and checkpoints. The folder's lock names its holder to a second start (one line,
+    exit 2), and the kernel drops it when the holder dies, kill -9 included: an in-job restart
+    is never refused by its own dead life."""
+    import signal
+    import socket
+
+    from megatron_grpo.trainer.state.run_lock import LOCK_FILE, RunFolderBusy, lock_folder
+
+    out = tmp_path / "run"
+    holder = hold_in_another_process(out)
+    try:
+        with pytest.raises(RunFolderBusy) as info:
+            lock_folder("logging.output_dir", out)
+        line = str(info.value)
+        assert line.startswith(f"logging.output_dir={out} is in use by another run (pid {holder.pid} on host "
+                               f"{socket.gethostname()}, started {time.strftime('%Y-%m-%d')}")
+        assert f"its lock {out / LOCK_FILE}" in line and "\n" not in line and info.value.exit_code == 2
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    lock = lock_folder("logging.output_dir", out)  # the dead holder's lock is gone with it
+    assert json.loads((out / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert (out / LOCK_FILE).read_text() == ""  # a later holder never shows this one's details
+
+
+def test_a_second_training_run_into_a_held_folder_stops_before_writing_there(tmp_path):
+    """The trainer's start path takes the lock: a second `megatron-grpo train` into a folder a live
+    run holds stops with one line naming that run, exit 2, and writes nothing into the folder."""
+    import signal
+
+    out = tmp_path / "run"
+    holder = hold_in_another_process(out)
+    before = snapshot(out)
+    try:
+        line = one_error_line(train(f"logging.output_dir={out}", "trainer.total_steps=1"))
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert line.startswith(f"error: logging.output_dir={out} is in use by another run (pid {holder.pid} on host ")
+    assert snapshot(out) == before

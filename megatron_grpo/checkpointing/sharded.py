@@ -6,7 +6,8 @@ pipeline chunks (megatron-LM's names), so either kind loads into any layout.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import re
+from typing import Collection, Sequence
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -45,3 +46,33 @@ def short_error(exc: BaseException) -> str:
         return f"rank {rank}: {short_error(inner)}"
     first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\][^\n]*")
+
+
+def os_error_text(exc: BaseException, codes: Collection[int]) -> str | None:
+    """The one-line text of the first OSError with an errno in `codes` inside `exc`: itself, its
+    __cause__ / __context__ chain, exceptions among its args, a CheckpointException's per-rank
+    failures. Failing that, the first "[Errno N] ..." with N in `codes` in their messages: an error
+    from megatron's checkpoint writer processes arrives as text only ("Worker failure: [Errno 28]
+    No space left on device: ...", its cause lost on the way between processes). None if neither."""
+    pending, seen, texts = [exc], set(), []
+    while pending:
+        current = pending.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in codes:
+            return str(current)
+        texts.append(str(current))
+        failures = getattr(current, "failures", None) if isinstance(current, CheckpointException) else None
+        for value in [*(failures or {}).values(), *current.args, current.__cause__, current.__context__]:
+            inner = value[0] if isinstance(value, tuple) and value else value  # DCP's (exception, traceback)
+            if isinstance(inner, BaseException):
+                pending.append(inner)
+    for text in texts:
+        for match in _ERRNO_TEXT.finditer(text):
+            if int(match[1]) in codes:
+                return match[0].strip()
+    return None

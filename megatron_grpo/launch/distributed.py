@@ -13,7 +13,8 @@ joins it before the group is made (`_join_rendezvous`); torch's own tcp:// rende
 for missing ranks (a WORLD_SIZE=2 exported with one process started, a node that never came up)
 for the whole collective timeout without a word. Ours says what it waits for after a few seconds
 (which rank, how many more ranks, where, the deadline) and again every 30 s, and fails after
-$GRPO_RENDEZVOUS_TIMEOUT_S (600 s) with a LaunchError naming the address and the ranks that came.
+$GRPO_RENDEZVOUS_TIMEOUT_S (600 s) with a LaunchError naming the address and the ranks that came;
+a MASTER_ADDR that does not resolve is a LaunchError before any of it (`check_master_addr`).
 Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True) torchrun has already gathered the
 ranks: each rank joins that store as a client, under a prefix per restart attempt
 (TORCHELASTIC_RESTART_COUNT). torchrun keeps the store across `--max-restarts`, and the process
@@ -99,6 +100,8 @@ def init_distributed(ranks: RankInfo | None = None, *, env: Mapping[str, str] | 
     gloo without. Safe to call when the group already exists with the same rank and world."""
     if ranks is None:
         ranks = discover_ranks(os.environ if env is None else env, mpi_comm=mpi_comm)
+    if ranks.world_size > 1 and not dist.is_initialized():
+        check_master_addr(ranks, os.environ if env is None else env)
     from megatron_grpo.launch.lifetime import bind_children_to_this_process
 
     bind_children_to_this_process()  # megatron's checkpoint writers and their Manager die with us
@@ -131,6 +134,25 @@ def init_distributed(ranks: RankInfo | None = None, *, env: Mapping[str, str] | 
     log.info("rank %d/%d (local %d/%d, %s) joined %s on %s via %s", ranks.rank, ranks.world_size,
              ranks.local_rank, ranks.local_world_size, ranks.launcher, backend, device, ranks.init_method)
     return DistributedContext(ranks=ranks, backend=backend, device=device)
+
+
+def check_master_addr(ranks: RankInfo, env: Mapping[str, str]) -> None:
+    """LaunchError when the master address does not resolve: the rendezvous would otherwise wait
+    its whole timeout (600 s) with notices that never say why nobody answers. A temporary DNS
+    failure (EAI_AGAIN) is asked again, twice, a second apart."""
+    for attempt in range(3):
+        try:
+            socket.getaddrinfo(ranks.master_addr, ranks.master_port, type=socket.SOCK_STREAM)
+            return
+        except (socket.gaierror, UnicodeError) as exc:
+            if getattr(exc, "errno", None) == socket.EAI_AGAIN and attempt < 2:
+                time.sleep(1.0)
+                continue
+            reason = getattr(exc, "strerror", None) or str(exc)
+            where = (f"MASTER_ADDR={ranks.master_addr}" if env.get("MASTER_ADDR") == ranks.master_addr
+                     else f"the master address {ranks.master_addr} (from the {ranks.launcher} environment)")
+            raise LaunchError(f"{where} does not resolve to an address ({reason}): set MASTER_ADDR to rank 0's "
+                              f"hostname or IP address, one every node can resolve") from None
 
 
 def rendezvous_timeout_s(env: Mapping[str, str] | None = None) -> float:

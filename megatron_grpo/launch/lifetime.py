@@ -9,7 +9,8 @@ parent-death signal (prctl PR_SET_PDEATHSIG) makes the kernel signal the child w
                                      main thread (megatron-core's checkpoint writers) gets SIGKILL when
                                      the parent dies, and the default SIGTERM / SIGUSR1 action instead of
                                      the parent's Python handlers (the trainer's only set a flag, so an
-                                     inherited one made a forked writer ignore SIGTERM)
+                                     inherited one made a forked writer ignore SIGTERM); no child writes
+                                     to the parent's signal wakeup fd
   tie_megatron_checkpoint_manager()  megatron-core's checkpoint writers report through a
                                      multiprocessing Manager started with the spawn method: a fresh
                                      interpreter that no fork hook reaches. Ours starts that Manager with
@@ -30,6 +31,7 @@ Only the standard library is imported at module level: spawned children import t
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -118,6 +120,10 @@ def _after_fork_in_child() -> None:
         for sig in _RESET_IN_FORKED_CHILD:
             if callable(signal.getsignal(sig)):
                 signal.signal(sig, signal.SIG_DFL)
+        with contextlib.suppress(ValueError):  # (the forking thread is the child's main thread)
+            # the parent's signal wakeup fd (trainer/signals.py watches it): a signal this child
+            # gets must not read there as one the parent got
+            signal.set_wakeup_fd(-1)
         if _fork["from_main_thread"] and _fork["parent_pid"] is not None:
             die_with_parent(_fork["parent_pid"], signal.SIGKILL)
     finally:

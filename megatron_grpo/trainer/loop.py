@@ -34,7 +34,7 @@ from megatron_grpo.trainer.batches.batching import MicroBatch
 from megatron_grpo.trainer.step.flops import peak_flops_per_device, training_flops
 from megatron_grpo.trainer.state.checkpoint import Checkpointer
 from megatron_grpo.trainer.preflight import check_before_training
-from megatron_grpo.trainer.metrics import MetricsLogger, NullLogger, SinkOptions, plot_reward_curve
+from megatron_grpo.trainer.metrics import MetricsLogger, NullLogger, SinkOptions, write_reward_curve
 from megatron_grpo.trainer.batches.micro_batches import padding_metrics, plan_micro_batches
 from megatron_grpo.trainer.state.resume import resume
 from megatron_grpo.trainer.engines.local_engine import trainer_threads
@@ -53,7 +53,15 @@ def train(cfg: Config) -> Path:
     threads = trainer_threads(cfg)
     if threads is not None:
         torch.set_num_threads(threads)
-    run = build_run(cfg)
+    run = build_run(cfg)  # rank 0 holds the run folder from here on (trainer/state/run_lock.py)
+    try:
+        return _train(run)
+    finally:
+        run.release_folder()  # after the run's last write there (the reward curve)
+
+
+def _train(run: Run) -> Path:
+    cfg = run.config
     out = Path(cfg.logging.output_dir)
     checkpoints, stop = Checkpointer(run), StopSignals().install()
     logger = NullLogger()
@@ -108,7 +116,7 @@ def train(cfg: Config) -> Path:
             run.stage_sync.close()
         run.close()
     if run.is_main and cfg.logging.plot:
-        plot_reward_curve(out / "metrics.jsonl", out / "reward_curve.png")
+        write_reward_curve(out)
     return out
 
 

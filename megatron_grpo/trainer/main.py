@@ -22,12 +22,14 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     from megatron_grpo.config import load_config, validate
+    from megatron_grpo.config.model_paths import check_model_paths
     from megatron_grpo.launch.env import discover_ranks
 
     args = parse_args(argv)
     cfg = load_config(args.recipe, args.overrides)
     ranks = discover_ranks(os.environ)
     validate(cfg, world_size=ranks.world_size, ranks_per_node=ranks.local_world_size)
+    check_model_paths(cfg)  # a missing local folder is named now, not sent to the hub (config/model_paths.py)
     # Our own INFO lines on rank 0; megatron-core's INFO chatter (bucket listings...) stays hidden.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron_grpo").setLevel(logging.INFO if ranks.rank == 0 else logging.WARNING)
@@ -36,6 +38,7 @@ def main(argv=None) -> int:
     quiet_known_notices()  # before megatron-core is imported: some notices come at import time
 
     from megatron_grpo.launch.distributed import shutdown
+    from megatron_grpo.trainer.console import console_may_be_gone
     from megatron_grpo.trainer.loop import train
 
     # On every exit path (done, a one-line error, a crash): no gloo worker may still be releasing
@@ -44,13 +47,15 @@ def main(argv=None) -> int:
         out = train(cfg)
     except KeyboardInterrupt:  # Ctrl-C before the steps began (or after they ended): nothing to save
         shutdown(failed=True)
-        print("error: interrupted by SIGINT while setting up or shutting down (during the steps a first Ctrl-C "
-              "saves a checkpoint and stops); nothing to save", file=sys.stderr)
+        with console_may_be_gone():
+            print("error: interrupted by SIGINT while setting up or shutting down (during the steps a first "
+                  "Ctrl-C saves a checkpoint and stops); nothing to save", file=sys.stderr, flush=True)
         return 130
     except BaseException:
         shutdown(failed=True)
         raise
     shutdown()
     if ranks.rank == 0:
-        print(f"done: metrics in {out / 'metrics.jsonl'}", flush=True)
+        with console_may_be_gone():  # the terminal may have closed (SIGHUP): the run still succeeded
+            print(f"done: metrics in {out / 'metrics.jsonl'}", flush=True)
     return 0

@@ -5,13 +5,17 @@ Only the rank that owns the logger (global rank 0) writes; other ranks get a `Nu
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_grpo.optional import require
+from megatron_grpo.optional import available, require
+from megatron_grpo.trainer.console import console_may_be_gone
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -68,8 +72,9 @@ class MetricsLogger:
             raise OSError(exc.errno, exc.strerror, str(self.jsonl_path)) from None
         if self._bar is not None:
             shown = {label: metrics[key] for label, key in PROGRESS_FIGURES.items() if key in metrics}
-            self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
-            self._bar.update(1)
+            with console_may_be_gone():  # a closed terminal or pipe must not fail the run (console.py)
+                self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+                self._bar.update(1)
         if self._tensorboard is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
@@ -79,14 +84,16 @@ class MetricsLogger:
 
     def message(self, text: str) -> None:
         """A line printed above the progress bar (eval results, checkpoint notices)."""
-        if self._bar is not None:
-            self._bar.write(text)
-        else:
-            print(text, flush=True)
+        with console_may_be_gone():
+            if self._bar is not None:
+                self._bar.write(text)
+            else:
+                print(text, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
-            self._bar.close()
+            with console_may_be_gone():
+                self._bar.close()
         try:
             self._jsonl.close()
         except OSError:
@@ -122,6 +129,15 @@ def _plain(value):
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     with open(path, encoding="utf-8") as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+def write_reward_curve(out: Path) -> Path | None:
+    """logging.plot: reward_curve.png beside metrics.jsonl. matplotlib is the `plot` extra, not a
+    dependency (the plain wheel runs the embedded default): without it one line says how to get it."""
+    if not available("matplotlib"):
+        log.info("logging.plot: no reward_curve.png, matplotlib is not installed: pip install 'megatron-grpo[plot]'")
+        return None
+    return plot_reward_curve(out / METRICS_FILE, out / "reward_curve.png")
 
 
 def plot_reward_curve(jsonl_path: str | os.PathLike, png_path: str | os.PathLike) -> Path:

@@ -245,7 +245,7 @@ def preflight_only(cfg) -> int:
     validate(cfg, world_size=ranks.world_size, ranks_per_node=ranks.local_world_size)
     quiet_known_notices()
     try:
-        run = build_run(cfg)
+        run = build_run(cfg, hold_folder=False)
         try:
             checks = run_preflight(run, version=0)
         finally:

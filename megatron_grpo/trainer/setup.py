@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from megatron_grpo.rewards.runner import RewardRunner
     from megatron_grpo.rollout.engine import RolloutEngine
     from megatron_grpo.trainer.state.resume_plan import Candidate
+    from megatron_grpo.trainer.state.run_lock import HeldFolders
     from megatron_grpo.trainer.sync.stage_sync import StageSync
     from megatron_grpo.trainer.assembly.update_guard import NonFiniteUpdateGuard
 
@@ -74,6 +75,7 @@ class Run:
     rank0: Rank0Parts | None = None           # global rank 0 only
     stage_sync: StageSync | None = None       # per-stage weight sync (trainer/sync/stage_sync.py), or rank 0's route
     kl_controller: KLController | None = None  # algorithm.use_kl_in_reward (its beta is checkpointed)
+    folder_lock: HeldFolders | None = None    # rank 0 of a training run: its folders' locks (run_lock.py)
 
     @property
     def is_main(self) -> bool:
@@ -104,6 +106,11 @@ class Run:
     def close(self) -> None:
         if self.rank0 is not None:
             self.rank0.close()
+
+    def release_folder(self) -> None:
+        """Lets another run use the run folder (after the run's last write there)."""
+        if self.folder_lock is not None:
+            self.folder_lock.release()
 
 
 def kl_reference_needed(cfg: Config) -> bool:
@@ -149,23 +156,14 @@ def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
-def build_run(cfg: Config) -> Run:
-    """Collective. Every rank-0 step the others wait on reports its failure on every rank."""
-
-    from megatron_grpo.convert.loader import load_hf_weights
-    from megatron_grpo.data.sampler import batches_per_epoch
+def build_run(cfg: Config, *, hold_folder: bool = True) -> Run:
+    """Collective. Every rank-0 step the others wait on reports its failure on every rank.
+    hold_folder (a training run; not `eval` or `doctor --mismatch`, which only read the run's
+    checkpoints): rank 0 holds logging.output_dir and checkpoint.save_dir until Run.release_folder()
+    (run_lock.py), refusing them when another live run holds them."""
     from megatron_grpo.launch import ParallelLayout, init_distributed, initialize_model_parallel
-    from megatron_grpo.models import ModelArchitecture, build_model, build_reference_model
-    from megatron_grpo.models.builder import Recompute
-    from megatron_grpo.trainer.assembly.model_path import check_context_length, prepare_model_folder
-    from megatron_grpo.trainer.assembly.tokenizer import check_tokenizer_fits, load_tokenizer
-    from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
-    from megatron_grpo.trainer.assembly.prompt_data import load_prompts
-    from megatron_grpo.trainer.state.run_folder import run_record
-    from megatron_grpo.trainer.sync.stage_sync import connect_stage_sync
-    from megatron_grpo.trainer.assembly.update_guard import NonFiniteUpdateGuard
-
     from megatron_grpo.launch.watchdog import collective_timeout_s
+    from megatron_grpo.trainer.state.run_folder import prepare_output_dir
 
     # below the hang watchdog's timeout, so that a collective with a stopped peer raises first (gloo)
     timeout_minutes = collective_timeout_s(cfg.trainer.hang_timeout_s) / 60
@@ -181,10 +179,35 @@ def build_run(cfg: Config) -> Run:
 
         gpu_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
         on_rank0(check_memory_plan, cfg, dist.get_world_size(), gpu_gib)
+    # The folder's rules (and its lock), before anything is written there.
+    folder_lock = rank0_only(prepare_output_dir, cfg, hold_folder)
+    try:
+        return _build_in_folder(cfg, layout, device, dtype, folder_lock)
+    except BaseException:
+        if folder_lock is not None:
+            folder_lock.release()
+        raise
+
+
+def _build_in_folder(cfg: Config, layout, device: torch.device, dtype: torch.dtype,
+                     folder_lock: HeldFolders | None) -> Run:
+    from megatron_grpo.convert.loader import load_hf_weights
+    from megatron_grpo.data.sampler import batches_per_epoch
+    from megatron_grpo.models import ModelArchitecture, build_model, build_reference_model
+    from megatron_grpo.models.builder import Recompute
+    from megatron_grpo.trainer.assembly.model_path import check_context_length, prepare_model_folder
+    from megatron_grpo.trainer.assembly.tokenizer import check_tokenizer_fits, load_tokenizer
+    from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
+    from megatron_grpo.trainer.assembly.prompt_data import load_prompts
+    from megatron_grpo.trainer.state.resume_plan import check_definitions
+    from megatron_grpo.trainer.state.run_folder import run_record
+    from megatron_grpo.trainer.sync.stage_sync import connect_stage_sync
+    from megatron_grpo.trainer.assembly.update_guard import NonFiniteUpdateGuard
+
     output_dir = Path(cfg.logging.output_dir)
-    # The folder's rules and the definitions of the checkpoints a resume may load, before
-    # initial_model/ is (re)built; every check of a resume happens before the policy is built.
-    candidates = on_rank0(check_run_folder, cfg)
+    # The definitions of the checkpoints a resume may load, before initial_model/ is (re)built;
+    # every check of a resume happens before the policy is built.
+    candidates = on_rank0(check_definitions, cfg)
 
     model_dir = prepare_model_folder(cfg, output_dir)
     model_config = ModelArchitecture.from_hf(model_dir, tensor_parallel=layout.tensor,
@@ -202,6 +225,11 @@ def build_run(cfg: Config) -> Run:
     num_prompts = int(broadcast_from_rank0(len(prompts[0]) if prompts is not None else None))
     total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * batches_per_epoch(num_prompts,
                                                                                           cfg.data.train_batch_size)
+    if dist.get_rank() == 0:  # the run's length is known now (with trainer.total_epochs: from the prompts)
+        from megatron_grpo.config.validate import config_warnings
+
+        for line in config_warnings(cfg, total_steps):
+            log.warning(line)
 
     recompute = Recompute(granularity=None if cfg.model.recompute_granularity == "none"
                           else cfg.model.recompute_granularity,
@@ -235,7 +263,7 @@ def build_run(cfg: Config) -> Run:
                optimizer=NonFiniteUpdateGuard(optimizer, limit=cfg.trainer.max_consecutive_nan_steps),
                scheduler=scheduler, reference=reference, tokenizer=tokenizer, total_steps=total_steps,
                record=record, resume_plan=resume_plan, rank0=rank0, stage_sync=connect_stage_sync(cfg, rank0),
-               kl_controller=build_kl_controller(cfg))
+               kl_controller=build_kl_controller(cfg), folder_lock=folder_lock)
 
 
 def check_multi_turn_environment(cfg: Config) -> None:
@@ -256,16 +284,6 @@ def check_moe_keys(cfg: Config, model_config) -> None:
     if cfg.actor.moe_routing_replay:
         raise ConfigError(f"actor.moe_routing_replay=true: model_type {model_config.architecture!r} has no experts "
                           f"(routing replay needs a mixture-of-experts model); set it to false")
-
-
-def check_run_folder(cfg: Config) -> list[Candidate]:
-    """Rank 0: run_folder's rules for logging.output_dir, then the checkpoints a resume may load,
-    each from a run with this run's definition (resume_plan.check_definitions)."""
-    from megatron_grpo.trainer.state.resume_plan import check_definitions
-    from megatron_grpo.trainer.state.run_folder import prepare_output_dir
-
-    prepare_output_dir(cfg)
-    return check_definitions(cfg)
 
 
 def check_resume(cfg: Config, candidates: list[Candidate], record: dict, prompts) -> list[Candidate]:

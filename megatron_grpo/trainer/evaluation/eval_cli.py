@@ -62,7 +62,7 @@ def _evaluate_checkpoint(cfg) -> tuple[int, dict[str, float], bool]:
     cfg = dataclasses.replace(
         cfg, checkpoint=dataclasses.replace(cfg.checkpoint, save_dir=str(checkpoint_root(cfg))),
         logging=dataclasses.replace(cfg.logging, output_dir=str(Path(cfg.logging.output_dir) / "eval")))
-    run = build_run(cfg)
+    run = build_run(cfg, hold_folder=False)  # reads the run's checkpoints, also while it trains
     try:
         step = resume(run, Checkpointer(run))
         if step == 0:

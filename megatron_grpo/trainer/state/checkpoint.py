@@ -38,7 +38,7 @@ from megatron_grpo.checkpointing.layout import (COMPLETE_MARKER, CONFIG_FILE, FO
                                                 TRAINER_STATE, checkpoint_root, fsync_path, list_checkpoints,
                                                 step_dir_name, write_atomic)
 from megatron_grpo.checkpointing.sharded import (READ_ERRORS, load_model_state, model_sharded_state_dict,
-                                                 short_error)
+                                                 os_error_text, short_error)
 from megatron_grpo.errors import CheckpointError
 from megatron_grpo.launch.collectives import raise_if_any_failed
 
@@ -235,12 +235,7 @@ class Checkpointer:
         previous = [p.name for _, p in list_checkpoints(self.root)]
         kept = (f"the previous checkpoint {self.root / previous[0]} is intact" if previous
                 else "no earlier checkpoint exists")
-        reason = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            reason = f"disk full ({exc})"
-        elif isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
-            reason = f"folder not writable ({exc})"
-        return f"saving checkpoint step {step} to {self.root} failed: {reason}; {kept}"
+        return f"saving checkpoint step {step} to {self.root} failed: {save_failure_reason(exc)}; {kept}"
 
     def _trainer_state(self, step: int, optimizer_format: str) -> dict:
         run = self.run
@@ -364,6 +359,18 @@ class Checkpointer:
             log.warning("checkpoint: %s has no RNG state for this layout (saved %s, now %s); RNG states start "
                         "fresh from trainer.seed", path, trainer_state.get("layout"), _layout())
         return None
+
+
+def save_failure_reason(exc: BaseException) -> str:
+    """Why a save failed, in one line. A full device or an unwritable folder is named also when
+    megatron / torch DCP wrapped the OSError (CheckpointException, "Worker failure: ...")."""
+    space = os_error_text(exc, (errno.ENOSPC, errno.EDQUOT))
+    if space is not None:
+        return f"no space left on the device ({space})"
+    denied = os_error_text(exc, (errno.EACCES, errno.EROFS, errno.EPERM))
+    if denied is not None:
+        return f"folder not writable ({denied})"
+    return short_error(exc)
 
 
 def _param_group_hyperparameters(optimizer) -> list[dict]:

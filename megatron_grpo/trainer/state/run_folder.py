@@ -8,6 +8,8 @@ a run: a resume applies the new values (resume_plan.py).
 
 Rules applied here, by rank 0, before any model is built:
   * logging.output_dir (and checkpoint.save_dir) must be creatable, writable folders.
+  * a training run holds them (run_lock.py) before it writes anything there: a second start into a
+    folder that a live run holds stops with one line naming that run (exit 2).
   * checkpoint.resume=never into a folder that holds a run (checkpoints or metrics) is refused,
     unless logging.overwrite=true, which renames that run to <folder>.old-N (never deletes it).
   * <output_dir>/initial_model (a model initialised from trainer.seed) records what it was
@@ -26,6 +28,7 @@ from megatron_grpo.config import to_dict
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError
 from megatron_grpo.trainer.metrics import METRICS_FILE
+from megatron_grpo.trainer.state.run_lock import HeldFolders, lock_folder
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +130,11 @@ def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the folder
 
 
-def prepare_output_dir(cfg: Config) -> None:
+def prepare_output_dir(cfg: Config, hold: bool = False) -> HeldFolders | None:
     """Rank 0: makes logging.output_dir (and checkpoint.save_dir) usable for this run, or raises
-    RunFolderError. With checkpoint.resume=never, an earlier run there is refused or moved aside."""
+    RunFolderError. With checkpoint.resume=never, an earlier run there is refused or moved aside.
+    hold=True (a training run): takes their locks first (run_lock.py) and returns them, held until
+    released; a folder another live run holds is refused (RunFolderBusy) before anything is written."""
     out = Path(cfg.logging.output_dir).expanduser().resolve()
     root = checkpoint_root(cfg).expanduser().resolve()
     folders = [("logging.output_dir", out)]
@@ -137,10 +142,35 @@ def prepare_output_dir(cfg: Config) -> None:
         folders.append(("checkpoint.save_dir", root))
     for key, folder in folders:
         _refuse_file_in_path(key, folder)
-    if cfg.checkpoint.resume.strip() == "never":
-        _start_afresh(cfg, out, root)
-    for key, folder in folders:
-        _writable_folder(key, folder)
+    held = _hold(folders) if hold else None
+    try:
+        if cfg.checkpoint.resume.strip() == "never" and _start_afresh(cfg, out, root) and held is not None:
+            held.release()  # their locks went with the folders moved aside
+            held = _hold(folders)
+        for key, folder in folders:
+            _writable_folder(key, folder)
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
+    return held
+
+
+def _hold(folders: list[tuple[str, Path]]) -> HeldFolders:
+    held = HeldFolders()
+    try:
+        for key, folder in folders:
+            if any(lock.folder == folder for lock in held.locks):  # checkpoint.save_dir = logging.output_dir
+                continue
+            _create_folder(key, folder)
+            try:
+                held.locks.append(lock_folder(key, folder))
+            except OSError as exc:
+                raise RunFolderError(f"{key}={folder} is not writable ({exc.strerror or exc})") from None
+    except BaseException:
+        held.release()
+        raise
+    return held
 
 
 def earlier_run(out: Path, root: Path) -> str:
@@ -155,10 +185,11 @@ def earlier_run(out: Path, root: Path) -> str:
     return " and ".join(held)
 
 
-def _start_afresh(cfg: Config, out: Path, root: Path) -> None:
+def _start_afresh(cfg: Config, out: Path, root: Path) -> bool:
+    """True when an earlier run was moved aside."""
     held = earlier_run(out, root)
     if not held:
-        return
+        return False
     if not cfg.logging.overwrite:
         raise RunFolderError(
             f"checkpoint.resume=never, but {out} holds an earlier run ({held}): use another "
@@ -170,6 +201,7 @@ def _start_afresh(cfg: Config, out: Path, root: Path) -> None:
     for old, new in moved:
         log.warning("run folder: moved the earlier run %s to %s (checkpoint.resume=never, logging.overwrite=true)",
                     old, new)
+    return bool(moved)
 
 
 def _move_aside(folder: Path) -> Path:
@@ -193,11 +225,15 @@ def _refuse_file_in_path(key: str, folder: Path) -> None:
             return
 
 
-def _writable_folder(key: str, folder: Path) -> None:
+def _create_folder(key: str, folder: Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise RunFolderError(f"{key}={folder}: cannot create the folder ({exc.strerror or exc})") from None
+
+
+def _writable_folder(key: str, folder: Path) -> None:
+    _create_folder(key, folder)
     probe = folder / f".write-test-{os.getpid()}"
     try:
         probe.write_bytes(b"")
