@@ -229,6 +229,68 @@ def test_a_non_scalar_ground_truth_is_refused_for_the_built_in_scorers(tmp_path,
     assert [r.ground_truth for r in load_records(number, RecordFormat(scalar_ground_truth_for="gsm8k"))] == [18]
 
 
+def _with_answer(i: int, answer, data_source: str = "test") -> dict:
+    return {**_row(i), "data_source": data_source, "reward_model": {"style": "rule", "ground_truth": answer}}
+
+
+def test_float_and_padded_ground_truths_reach_the_built_in_scorers_as_verls_strings(tmp_path):
+    """A pandas / parquet float column holds the answer 72 as 72.0, and str(72.0) = "72.0" never
+    equals the "72" that gsm8k (as verl's) extracts from "#### 72"; " 72 " neither. Loaded for a
+    built-in scorer they become "72"; a non-integral number stays as it is (gsm8k matches 72.5);
+    a user's function gets the value as the file has it."""
+    from megatron_grpo.rewards.gsm8k import reward
+
+    assert reward("", "#### 72", 72.0) == 0.0 and reward("", "#### 72", " 72 ") == 0.0  # why they are normalised
+    gsm8k = RecordFormat(scalar_ground_truth_for="gsm8k")
+    answers = [72.0, " 72 ", "\t72\n", 72.5, 18, -3.0]
+    path = _write_lines(tmp_path / "d.jsonl", [json.dumps(_with_answer(i, a)) for i, a in enumerate(answers)])
+    loaded = [r.ground_truth for r in load_records(path, gsm8k)]
+    assert loaded == ["72", "72", "72", 72.5, 18, "-3"]
+    assert [reward("", f"#### {a}", gt) for a, gt in zip(["72", "72", "72", "72.5", "18", "-3"], loaded)] == [1.0] * 6
+    assert [r.ground_truth for r in load_records(path)] == answers  # no built-in scorer: as in the file
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist([_with_answer(0, 72.0), _with_answer(1, 72.5)])
+    assert table.schema.field("reward_model").type.field("ground_truth").type == pa.float64()
+    pq.write_table(table, tmp_path / "d.parquet")
+    assert [r.ground_truth for r in load_records(tmp_path / "d.parquet", gsm8k)] == ["72", 72.5]
+
+
+@pytest.mark.parametrize("answer, scorer, problem", [
+    ("", "math", "it is empty or whitespace only"),
+    (" \t ", "gsm8k", "it is empty or whitespace only"),
+    (float("nan"), "math", "it is NaN: a float column's missing value"),
+    ("1,000", "gsm8k", "it compares the ground truth, as text, with the number it extracts"),
+    ("$18", "gsm8k", "it compares the ground truth, as text"),
+    (1e-07, "gsm8k", "it compares the ground truth, as text"),  # str(1e-07) is "1e-07"
+])
+def test_a_ground_truth_the_built_in_scorer_can_never_match_is_refused_at_its_line(tmp_path, answer, scorer,
+                                                                                    problem):
+    """Refused at load instead of scoring every response 0 for the whole run: what no response
+    can match (gsm8k compares the text of the number it extracts; an empty or NaN answer for any
+    one-answer scorer). What the scorer can match loads (gsm8k: "1000", "-0.5"; math: "1,000")."""
+    import functools
+
+    from megatron_grpo.rewards.answers import ground_truth_problem
+
+    def fmt(name):
+        return RecordFormat(scalar_ground_truth_for=name, ground_truth_problem=functools.partial(
+            ground_truth_problem, name))
+
+    path = _write_lines(tmp_path / "d.jsonl", [json.dumps(_with_answer(0, "7")), json.dumps(_with_answer(1, answer))])
+    with pytest.raises(DataError) as info:
+        load_records(path, fmt(scorer))
+    assert str(info.value).startswith(f"{path}:2: reward_model.ground_truth is {json.dumps(answer)} "
+                                      f"({type(answer).__name__}): the {scorer} scorer can never score a response "
+                                      f"correct against it ({problem}")
+    assert str(info.value).endswith("); fix the answer, or set reward.function to a function of yours")
+    ok = _write_lines(tmp_path / "ok.jsonl", [json.dumps(_with_answer(i, a)) for i, a in enumerate(["1000", "-0.5"])])
+    assert [r.ground_truth for r in load_records(ok, fmt("gsm8k"))] == ["1000", "-0.5"]
+    comma = _write_lines(tmp_path / "comma.jsonl", [json.dumps(_with_answer(0, "1,000"))])
+    assert [r.ground_truth for r in load_records(comma, fmt("math"))] == ["1,000"]
+
+
 def test_the_trainer_checks_ground_truths_for_its_built_in_scorer(tmp_path, tokenizer):
     from megatron_grpo.config import load_config
     from megatron_grpo.trainer.assembly.prompt_data import load_prompts
@@ -248,6 +310,57 @@ def test_the_trainer_checks_ground_truths_for_its_built_in_scorer(tmp_path, toke
     train, _ = load_prompts(load_config("tiny_cpu", ["data.task=null", f"data.train_files={renamed}",
                                                      "data.prompt_key=chat"]), tokenizer)
     assert [p.record.prompt for p in train] == [[{"role": "user", "content": "hello 3"}]]
+
+
+def test_the_trainer_refuses_a_ground_truth_its_scorer_cannot_match_by_the_rows_data_source(tmp_path, tokenizer):
+    """reward.function=gsm8k checks every row; by_data_source only the rows it scores with gsm8k;
+    nothing is checked where reward.function does not score the rows."""
+    from megatron_grpo.config import load_config
+    from megatron_grpo.trainer.assembly.prompt_data import load_prompts
+
+    rows = [_with_answer(0, 72.0, "openai/gsm8k"), _with_answer(1, "1,000", "lighteval/MATH"),
+            _with_answer(2, "1,000", "openai/gsm8k")]
+    every_row = _write_lines(tmp_path / "d.jsonl", [json.dumps(row) for row in rows])
+    first_two = _write_lines(tmp_path / "first_two.jsonl", [json.dumps(row) for row in rows[:2]])
+
+    def prompts(function, data, *more):
+        overrides = ["data.task=null", "data.val_files=[]", f"data.train_files=[{data}]", f"reward.function={function}"]
+        return load_prompts(load_config("tiny_cpu", [*overrides, *more]), tokenizer)[0]
+
+    for function, line in (("gsm8k", 2), ("by_data_source", 3)):  # by_data_source scores row 2 with math
+        with pytest.raises(DataError, match=rf"d\.jsonl:{line}: reward_model\.ground_truth is \"1,000\" \(str\): "
+                                            rf"the {function} scorer can never score"):
+            prompts(function, every_row)
+    assert [p.record.ground_truth for p in prompts("by_data_source", first_two)] == ["72", "1,000"]
+    # with an environment, it scores the rows (reward.function, gsm8k by default, does not): as in the file
+    episodes = prompts("gsm8k", every_row, "rollout.multi_turn.environment=lookup")
+    assert [p.record.ground_truth for p in episodes] == [72.0, "1,000", "1,000"]
+
+
+@pytest.mark.parametrize("messages, which", [
+    ([{"role": "user", "content": ""}], "user message"),
+    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": " \n\t"}], "user message"),
+    ([{"role": "system", "content": "  "}], "message"),
+])
+def test_a_prompt_that_asks_nothing_is_refused_at_its_line_or_row(tmp_path, messages, which):
+    """An empty or whitespace-only prompt (e.g. a column mapped wrongly) trained on silently: now
+    the file and line (parquet: row) name it. An empty system message beside a question is kept
+    (it keeps some chat templates from adding their default system prompt)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    bad = {**_row(1), "prompt": messages}
+    expected = f"'prompt' asks nothing: every {which}'s content is empty or whitespace only"
+    path = _write_lines(tmp_path / "d.jsonl", [json.dumps(_row(0)), json.dumps(bad)])
+    with pytest.raises(DataError) as info:
+        load_records(path)
+    assert str(info.value) == f"{path}:2: {expected}"
+    pq.write_table(pa.Table.from_pylist([_row(0), bad]), tmp_path / "d.parquet")
+    with pytest.raises(DataError) as info:
+        load_records(tmp_path / "d.parquet")
+    assert str(info.value) == f"{tmp_path / 'd.parquet'}:row 2: {expected}"
+    kept = {**_row(2), "prompt": [{"role": "system", "content": ""}, {"role": "user", "content": "2+2"}]}
+    assert load_records(_write_lines(tmp_path / "ok.jsonl", [json.dumps(kept)]))[0].prompt == kept["prompt"]
 
 
 def test_prompt_key_names_the_column_of_the_chat_messages(tmp_path):

@@ -176,3 +176,12 @@ def test_python_tool_runs_calls_reports_errors_and_scores_the_answer():
     final = env.step("The answer is 42.\n#### 42")
     assert final.done and final.reward == 1.0
     assert env.step("#### 41").reward == 0.0
+
+
+@pytest.mark.parametrize("answer", [42.0, " 42 "])
+def test_python_tool_scores_a_float_or_padded_ground_truth_as_the_loader_gives_gsm8k(answer):
+    """An environment gets the row as the file has it (the loader normalises only for
+    reward.function); python_gsm8k's own gsm8k scoring reads 42.0 (a float column's 42) as "42"."""
+    env = PythonToolEnvironment()
+    env.reset(record(prompt=[{"role": "user", "content": "What is 6 x 7?"}], ground_truth=answer))
+    assert env.step("#### 42").reward == 1.0

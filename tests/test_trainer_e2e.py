@@ -44,6 +44,65 @@ def _build_and_step(rank, world_size, overrides):
     return {"has_reference": run.reference is not None, "metrics": metrics}
 
 
+def _one_step_per_estimator(rank, world_size, out, estimators):
+    """One run built with the KL in the reward (so its reference model exists), then per estimator a
+    step without the KL in the reward (the run build_run makes for that recipe: no controller, no
+    reference) and one with it (the rollout phase's advantages, then trainer/step/reward_kl.py's).
+    {(estimator, kl_in_reward): the step's metrics, or the error it raised}."""
+    import dataclasses
+
+    from megatron_grpo.config import load_config, validate
+    from megatron_grpo.trainer.loop import grpo_step
+    from megatron_grpo.trainer.setup import build_run
+
+    built = load_config("tiny_cpu", [*FAST, f"logging.output_dir={out}", "algorithm.use_kl_in_reward=true"])
+    run = build_run(built)
+    results, step = {}, 0
+    try:
+        for estimator in estimators:
+            for kl_in_reward in (False, True):
+                cfg = dataclasses.replace(built, algorithm=dataclasses.replace(
+                    built.algorithm, adv_estimator=estimator, use_kl_in_reward=kl_in_reward))
+                validate(cfg, world_size=world_size)  # what the recipe key accepts
+                variant = run if kl_in_reward else dataclasses.replace(run, kl_controller=None, reference=None)
+                step += 1
+                try:
+                    results[estimator, kl_in_reward] = grpo_step(dataclasses.replace(variant, config=cfg), step)
+                except Exception as exc:  # noqa: BLE001 - each case reports its own failure
+                    results[estimator, kl_in_reward] = f"{type(exc).__name__}: {exc}"
+    finally:
+        run.close()
+    return results
+
+
+def _accepted_estimators() -> list[str]:
+    """Every algorithm.adv_estimator that validation accepts: its registry, once algo is imported."""
+    import megatron_grpo.algo  # noqa: F401 - fills the registry config/names.py reads
+    from megatron_grpo.config.names import ADVANTAGE_ESTIMATORS
+
+    return ADVANTAGE_ESTIMATORS.known()
+
+
+@pytest.fixture(scope="module")
+def estimator_steps(tmp_path_factory):
+    return run_distributed(_one_step_per_estimator, 1, (tmp_path_factory.mktemp("estimators"),
+                                                        _accepted_estimators()), timeout=300)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kl_in_reward", [False, True], ids=["plain", "kl_in_reward"])
+@pytest.mark.parametrize("estimator", _accepted_estimators())
+def test_every_accepted_advantage_estimator_trains_a_step(estimator, kl_in_reward, estimator_steps):
+    """reinforce_plus_plus_baseline passed validation, then its first step raised "pass
+    response_mask": the trainer computed advantages without the mask in the rollout phase and
+    again with the KL in the reward. Every name validation accepts now trains a real step."""
+    metrics = estimator_steps[estimator, kl_in_reward]
+    assert isinstance(metrics, dict), metrics
+    for key in ("actor/loss", "actor/grad_norm", "advantage/std"):
+        assert math.isfinite(metrics[key]), key
+    assert ("actor/reward_kl_penalty" in metrics) is kl_in_reward
+
+
 def test_cli_runs_tiny_recipe(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1")

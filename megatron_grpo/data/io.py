@@ -1,11 +1,13 @@
 """Read and write prompt records as jsonl or parquet (chosen by the file suffix)."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Iterable
 
-from megatron_grpo.data.records import PromptRecord, RecordFormat, parse_record
+from megatron_grpo.data.records import PromptRecord, RecordFormat, parse_record, scalar_answer
 from megatron_grpo.errors import DataError
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -53,13 +55,28 @@ def _record(line: str, where: str, fmt: RecordFormat) -> PromptRecord:
 
 
 def _checked(record: PromptRecord, where: str, fmt: RecordFormat) -> PromptRecord:
-    answer, scalar_ground_truth_for = record.ground_truth, fmt.scalar_ground_truth_for
-    if scalar_ground_truth_for and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
-        raise DataError(f"{where}: reward_model.ground_truth is {json.dumps(answer)[:60]} "
-                        f"({type(answer).__name__}); the {scalar_ground_truth_for} scorer compares one answer, "
+    """With a one-answer scorer: the ground truth normalised (records.scalar_answer), or DataError
+    when that scorer could never score a response correct against it."""
+    answer, scorer = record.ground_truth, fmt.scalar_ground_truth_for
+    if not scorer:
+        return record
+    shown = f"{json.dumps(answer)[:60]} ({type(answer).__name__})"
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise DataError(f"{where}: reward_model.ground_truth is {shown}; the {scorer} scorer compares one answer, "
                         "a string or number: write the answer itself, or set reward.function to a function "
                         "of yours that reads this form")
-    return record
+    answer = scalar_answer(answer)
+    if answer == "":
+        problem = "it is empty or whitespace only"
+    elif isinstance(answer, float) and math.isnan(answer):
+        problem = "it is NaN: a float column's missing value"
+    else:
+        problem = fmt.ground_truth_problem(record.data_source, answer) if fmt.ground_truth_problem else None
+    if problem:
+        raise DataError(f"{where}: reward_model.ground_truth is {shown}: the {scorer} scorer can never score a "
+                        f"response correct against it ({problem}); fix the answer, or set reward.function to a "
+                        "function of yours")
+    return record if answer == record.ground_truth else dataclasses.replace(record, ground_truth=answer)
 
 
 def _load_parquet(path: Path, fmt: RecordFormat) -> list[PromptRecord]:

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from megatron_grpo.errors import DataError
 
@@ -36,8 +36,23 @@ class RecordFormat:
     prompt_key: str = "prompt"  # the column with the chat messages (verl's data.prompt_key)
     reward_fn_key: str = "data_source"  # the column read as the row's data_source (verl's data.reward_fn_key)
     # A scorer that compares one answer (the built-in gsm8k / math): a list or object ground truth
-    # is refused, since it would score every response 0. None: any JSON value, for the user's function.
+    # is refused, since it would score every response 0, and the answer is normalised as
+    # scalar_answer() says. None: any JSON value, as the file has it, for the user's function.
     scalar_ground_truth_for: str | None = None
+    # That scorer's own test of a (normalised) answer, given the row's data_source: why it can never
+    # score a response correct, or None (rewards/answers.py; the trainer passes it). None: no test.
+    ground_truth_problem: Callable[[str, Any], str | None] | None = None
+
+
+def scalar_answer(value: Any) -> Any:
+    """The answer a one-answer scorer compares as str(ground_truth): an integral float (what a
+    pandas or parquet float column holds for the answer 72) as "72", a string without surrounding
+    whitespace; anything else unchanged. str(72.0) is "72.0", which "#### 72" never equals."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, str):
+        return value.strip()
+    return value
 
 
 def _column_problem(obj: dict, column: str, default: str, config_key: str, expected: str) -> str:
@@ -72,6 +87,10 @@ def parse_record(obj: Any, where: str, fmt: RecordFormat = RecordFormat()) -> Pr
         if not isinstance(content, str):
             raise fail(f"{prompt_key}[{i}].content must be a string, got {type(content).__name__}")
         messages.append({"role": role, "content": content})
+    asked = [m["content"] for m in messages if m["role"] == "user"] or [m["content"] for m in messages]
+    if not any(text.strip() for text in asked):
+        which = "user message" if any(m["role"] == "user" for m in messages) else "message"
+        raise fail(f"'{prompt_key}' asks nothing: every {which}'s content is empty or whitespace only")
     reward_model = obj.get("reward_model")
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
         raise fail("'reward_model' must be an object with 'ground_truth' (and 'style')")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from megatron_grpo.data.records import PromptRecord
+from megatron_grpo.data.records import PromptRecord, scalar_answer
 from megatron_grpo.environments.base import Environment, Message, StepResult
 from megatron_grpo.environments.sandbox import SandboxLimits, run_python
 from megatron_grpo.environments.tool_calls import parse_tool_calls, tool_response
@@ -40,7 +40,9 @@ class PythonToolEnvironment(Environment):
     def step(self, assistant_message: str) -> StepResult:
         parsed = parse_tool_calls(assistant_message)
         if not parsed.calls and not parsed.errors:
-            score = gsm8k_reward("", assistant_message, self.record.ground_truth, method=self.method)
+            # as the data loader gives reward.function's gsm8k: 72.0 (a float column's 72) compares as "72"
+            answer = scalar_answer(self.record.ground_truth)
+            score = gsm8k_reward("", assistant_message, answer, method=self.method)
             return StepResult(reward=float(score), done=True)
         observations = [tool_response(f"error: {error}") for error in parsed.errors]
         counters = {"tool_calls": float(len(parsed.calls) + len(parsed.errors)),

@@ -21,6 +21,9 @@ TAIL_CHARS = 300
 _STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 _NUMBER = re.compile(r"(\-?[0-9\.\,]+)")
 _BOXED = re.compile(r"\\boxed\{\s*\$?(\-?[0-9\.\,]+)\s*\}")
+# A number as extract_answer returns one (its regexes' characters, "," removed), with a digit: a
+# ground truth must look like this for any response to score (checked when the data is loaded).
+_ANSWER_FORM = re.compile(r"-?[0-9.]*[0-9][0-9.]*")
 
 
 def extract_answer(response: str, method: Method = "strict", accept_boxed: bool = False) -> str | None:
@@ -67,3 +70,12 @@ def reward(prompt: str, response: str, ground_truth: Any, extra: dict | None = N
            accept_boxed: bool = False) -> float:
     """The registered reward function (signature shared by every reward function)."""
     return compute_score(response, str(ground_truth), method, format_score, score, accept_boxed)
+
+
+def ground_truth_problem(ground_truth: Any) -> str | None:
+    """Why str(ground_truth) can never equal an extracted answer (every response would score 0),
+    or None. Scoring itself is unchanged: this only names a ground truth no response can match."""
+    if _ANSWER_FORM.fullmatch(str(ground_truth)):
+        return None
+    return ("it compares the ground truth, as text, with the number it extracts from a response: digits, "
+            "'.' and a leading '-', ',' removed; e.g. 1000, not 1,000, $1000 or 1e3")

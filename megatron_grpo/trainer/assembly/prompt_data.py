@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+from megatron_grpo.config.reward_models import RULE
 from megatron_grpo.config.schema import Config
 from megatron_grpo.config.validate import training_data_problem
 from megatron_grpo.data.prompts import EncodedPrompt
@@ -20,6 +22,7 @@ def load_prompts(cfg: Config, tokenizer) -> tuple[list[EncodedPrompt], list[Enco
     """Encoded train and eval prompts (eval: None without validation data)."""
     from megatron_grpo.data.io import load_records
     from megatron_grpo.data.prompts import encode_prompts
+    from megatron_grpo.rewards.answers import ground_truth_problem
 
     problem = training_data_problem(cfg)
     if problem:
@@ -31,9 +34,10 @@ def load_prompts(cfg: Config, tokenizer) -> tuple[list[EncodedPrompt], list[Enco
         train_records = generate_records(task, count=SYNTHETIC_TRAIN_RECORDS, seed=cfg.trainer.seed, split="train")
         eval_records = generate_records(task, count=SYNTHETIC_EVAL_RECORDS, seed=cfg.trainer.seed + 1, split="test")
     else:
+        scorer = one_answer_scorer(cfg)
         fmt = RecordFormat(prompt_key=cfg.data.prompt_key, reward_fn_key=cfg.data.reward_fn_key,
-                           scalar_ground_truth_for=(
-            cfg.reward.function if cfg.reward.function in SCALAR_ANSWER_SCORERS else None))
+                           scalar_ground_truth_for=scorer,
+                           ground_truth_problem=functools.partial(ground_truth_problem, scorer) if scorer else None)
         train_records = [r for path in cfg.data.train_files for r in load_records(path, fmt)]
         eval_records = [r for path in cfg.data.val_files for r in load_records(path, fmt)] or None
     overlong = OVERLONG[cfg.data.truncation]
@@ -44,6 +48,16 @@ def load_prompts(cfg: Config, tokenizer) -> tuple[list[EncodedPrompt], list[Enco
         evals, _ = encode_prompts(eval_records, tokenizer, cfg.data.max_prompt_length, overlong,
                                   cfg.data.chat_template, source="eval")
     return train, evals
+
+
+def one_answer_scorer(cfg: Config) -> str | None:
+    """reward.function when it is a built-in scorer of one answer and scores the rows: with an
+    environment (rollout.multi_turn) the environment scores them, and reward.combine may give the
+    rule weight 0 everywhere (then it is not built). None: the rows' ground truths are not checked."""
+    r = cfg.reward
+    if r.function not in SCALAR_ANSWER_SCORERS or cfg.rollout.multi_turn.environment is not None:
+        return None
+    return r.function if not r.models or r.combine.active(RULE) else None
 
 
 def _synthetic_kwargs(cfg: Config) -> dict:

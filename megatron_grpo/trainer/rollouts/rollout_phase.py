@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -142,7 +142,8 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
     kept_masks = kept_masks[: num_prompts * settings.n]
     scores = torch.tensor(kept_scores, dtype=torch.float64)
     group_ids = [s.group_id for s in kept_samples]
-    advantages = compute_advantages(settings.adv_estimator, scores, group_ids, config=settings.advantage_config)
+    advantages = batch_advantages(settings, scores, group_ids,
+                                  [(s.response_ids, mask) for s, mask in zip(kept_samples, kept_masks)])
     metrics.update(first_round_stats or {})
     metrics.update(timings)
     metrics["rollout/generation_rounds"] = float(rounds)
@@ -160,6 +161,24 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
                      for s, a, mask in zip(kept_samples, advantages.tolist(), kept_masks)]
     return RolloutBatch(samples=train_samples, metrics=metrics, versions=[s.weight_version for s in kept_samples],
                         scores=kept_scores, group_ids=group_ids)
+
+
+def batch_advantages(settings: RolloutSettings, scores: torch.Tensor, group_ids: list,
+                     responses: Sequence[tuple[Sequence[int], Sequence[bool] | None]]) -> torch.Tensor:
+    """settings.adv_estimator's advantages [B] of the scores; `responses` holds each sample's
+    (response ids, response_mask), from which every estimator gets the trained-token mask
+    (reinforce_plus_plus_baseline whitens over those tokens). The rollout phase and the KL in the
+    reward (trainer/step/reward_kl.py) both call this."""
+    return compute_advantages(settings.adv_estimator, scores, group_ids, response_mask=trained_token_mask(responses),
+                              config=settings.advantage_config)
+
+
+def trained_token_mask(responses: Sequence[tuple[Sequence[int], Sequence[bool] | None]]) -> torch.Tensor:
+    """[B, T] bool, T the longest response: True on row i's trained tokens (its response_mask;
+    None: every response id, as single-turn samples train)."""
+    masks = [[True] * len(ids) if mask is None else [bool(m) for m in mask] for ids, mask in responses]
+    width = max((len(m) for m in masks), default=0)
+    return torch.tensor([m + [False] * (width - len(m)) for m in masks], dtype=torch.bool).reshape(len(masks), width)
 
 
 def advantage_metrics(advantages: torch.Tensor) -> dict[str, float]:

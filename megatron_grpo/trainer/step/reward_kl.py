@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from megatron_grpo.algo import compute_advantages
 from megatron_grpo.algo.kl_in_reward import KLController, batch_kl, penalised_scores, sequence_kl
 from megatron_grpo.errors import MegatronGRPOError
 from megatron_grpo.launch.collectives import all_gather_objects
-from megatron_grpo.trainer.rollouts.rollout_phase import RolloutBatch, RolloutSettings, advantage_metrics
+from megatron_grpo.trainer.rollouts.rollout_phase import (RolloutBatch, RolloutSettings, advantage_metrics,
+                                                          batch_advantages)
 
 
 def apply_kl_in_reward(batch: RolloutBatch, controller: KLController, kind: str,
@@ -31,8 +31,8 @@ def apply_kl_in_reward(batch: RolloutBatch, controller: KLController, kind: str,
     ordered = [kls[i] for i in range(len(batch.samples))]
     beta = controller.value
     scores = penalised_scores(torch.tensor(batch.scores, dtype=torch.float64), ordered, beta)
-    advantages = compute_advantages(settings.adv_estimator, scores, batch.group_ids,
-                                    config=settings.advantage_config)
+    advantages = batch_advantages(settings, scores, batch.group_ids,
+                                  [(s.response_ids, s.response_mask) for s in batch.samples])
     for sample, advantage in zip(batch.samples, advantages.tolist()):
         sample.advantage = advantage
     current_kl = batch_kl(ordered)
