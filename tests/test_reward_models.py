@@ -6,8 +6,10 @@ Judge parsing meets adversarial answers; combination, failure accounting and tim
 CombinedRewards; a bad recipe is one line naming the key (exit 2)."""
 from __future__ import annotations
 
+import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -138,6 +140,99 @@ def test_a_bad_reward_model_config_is_one_line_naming_the_key(overrides, message
     with pytest.raises(ConfigError) as info:
         validate(load_config("tiny_cpu", overrides))
     assert message in str(info.value)
+
+
+def _folder_problem(folder: Path, *overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate(load_config("tiny_cpu", [f"reward.models.rm.path={folder}", *overrides]))
+    return str(info.value)
+
+
+def test_a_causal_lm_as_reward_model_is_refused_before_loading(models, tmp_path):
+    """A *ForCausalLM folder would load with a random score head: refused from config.json and the
+    weights' names, for the in-process backend and for servers launched here; a classifier config over
+    a causal LM's weights is refused too (no score.* tensor)."""
+    message = _folder_problem(models["judge"])
+    assert f"reward.models.rm.path={models['judge']} is a causal LM (Qwen3ForCausalLM)" in message
+    assert "*ForSequenceClassification" in message
+    assert "is a causal LM" in _folder_problem(models["judge"], "reward.models.rm.backend=sglang",
+                                               "reward.models.rm.sglang.gpus=[0]")
+    relabelled = tmp_path / "relabelled"
+    shutil.copytree(models["judge"], relabelled)
+    config = json.loads((relabelled / "config.json").read_text())
+    (relabelled / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForSequenceClassification"]}))
+    message = _folder_problem(relabelled)
+    assert "its weights hold no score head (no score.* / classifier.* tensor" in message
+    validate(load_config("tiny_cpu", [f"reward.models.rm.path={models['qwen3']}"]))  # a reward model passes
+
+
+def test_a_reward_model_as_judge_is_named_in_one_line(models):
+    message = _folder_problem(models["qwen3"], "reward.models.rm.kind=judge",
+                              "reward.models.rm.judge.template='rate {response}'")
+    assert message == (f"reward.models.rm.path={models['qwen3']} is a reward model (Qwen3ForSequenceClassification), "
+                       "not a chat model: a judge generates its answer: a chat model (*ForCausalLM); this one scores "
+                       "as kind=reward_model")
+
+
+def test_the_in_process_backend_reads_the_load_report(models):
+    """A hub id's folder is not local for the recipe check: the in-process backend refuses the same
+    mistakes from transformers' loading info."""
+    from megatron_grpo.reward_models.hf_backend import HFBackend
+
+    with pytest.raises(ConfigError, match=r"reward.models.rm.path=.*: the weights have no score head \(score.weight"):
+        HFBackend(str(models["judge"]), "reward_model", "cpu", "float32", "reward.models.rm")
+    with pytest.raises(ConfigError, match=r"reward.models.rm.path=.* is a reward model .*not a chat model"):
+        HFBackend(str(models["qwen3"]), "judge", "cpu", "float32", "reward.models.rm")
+
+
+def test_a_missing_local_rm_folder_is_named_without_asking_the_hub(monkeypatch, tmp_path):
+    """outputs/rm with ./outputs here is a local path: named missing at once, never sent to the hub
+    (whose retries took about a minute)."""
+    import transformers
+
+    from megatron_grpo.reward_models.build import build_scorer
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError(f"the hub was asked for {args}")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_hub)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs").mkdir()
+    with pytest.raises(ConfigError) as info:
+        build_scorer("rm", ModelScorerConfig(path="outputs/rm"), tmp_path)
+    assert str(info.value) == ("reward.models.rm.path=outputs/rm: no such file or folder (a local path: ./outputs is "
+                               "a folder here; a Hugging Face hub id is written org/name)")
+
+
+def test_build_if_missing_builds_the_folder_once_and_whole(monkeypatch, tmp_path):
+    """reward.models.<name>.build_if_missing=tiny_rm: the builder writes beside the path and the folder
+    is renamed into place (an interrupted build leaves no half model); an existing folder is kept."""
+    from megatron_grpo.reward_models import tiny_rm
+    from megatron_grpo.reward_models.build import build_if_missing
+
+    calls = []
+
+    def fake_builder(out):
+        calls.append(Path(out))
+        Path(out).mkdir()
+        (Path(out) / "config.json").write_text("{}")
+        return tiny_rm.TinyRewardModel(Path(out), 1.0, 2.0)
+
+    monkeypatch.setattr(tiny_rm, "train_tiny_reward_model", fake_builder)
+    target = tmp_path / "outputs" / "tiny_rm"
+    (tmp_path / "outputs" / "tiny_rm.partial").mkdir(parents=True)  # an interrupted earlier build
+    cfg = ModelScorerConfig(path=str(target), build_if_missing="tiny_rm")
+    build_if_missing("reward.models.rm", cfg)
+    assert calls == [tmp_path / "outputs" / "tiny_rm.partial"]
+    assert (target / "config.json").is_file() and not calls[0].exists()
+    build_if_missing("reward.models.rm", cfg)
+    assert len(calls) == 1  # there now: not rebuilt
+    build_if_missing("reward.models.rm", ModelScorerConfig(path=str(tmp_path / "other")))
+    assert len(calls) == 1 and not (tmp_path / "other").exists()  # no build_if_missing: nothing built
+    with pytest.raises(ConfigError, match="reward.models.rm.build_if_missing=tiny_rm builds a reward model; this "
+                                          "scorer is a judge"):
+        validate(load_config("tiny_cpu_rm", ["reward.models.rm.kind=judge",
+                                             "reward.models.rm.judge.template='rate {response}'"]))
 
 
 def test_the_cli_refuses_a_bad_scorer_with_exit_2_before_building(tmp_path):
@@ -429,17 +524,18 @@ def _train_recipe(rank, world_size, recipe, overrides):
 
 @pytest.mark.slow
 def test_tiny_rm_recipe_learns_the_preferred_property(tmp_path):
-    """recipes/tiny_cpu_rm.yaml as shipped (its RM trained here, deterministic): the share of answers
-    starting with 0 (reward/leading_zero, the rule's probe, which scores 0) goes from <= 0.3 to
-    >= 0.8, and the reward model's score (the whole reward) rises with it. The suite's one run of it."""
-    from megatron_grpo.reward_models.tiny_rm import train_tiny_reward_model
+    """recipes/tiny_cpu_rm.yaml as shipped: its start builds the RM, which is not there yet
+    (build_if_missing, deterministic); the share of answers starting with 0 (reward/leading_zero, the
+    rule's probe, which scores 0) goes from <= 0.3 to >= 0.8, and the reward model's score (the whole
+    reward) rises with it. The suite's one run of it."""
+    from megatron_grpo.reward_models.build import BUILD_RECORD
     from megatron_grpo.testing.distributed import run_distributed
 
-    rm = train_tiny_reward_model(tmp_path / "rm")
-    assert rm.heldout_accuracy >= 0.95 and rm.margin > 1  # the RM prefers the property on unseen pairs
     records = run_distributed(_train_recipe, 1, ("tiny_cpu_rm", [
-        f"reward.models.rm.path={rm.path}", f"logging.output_dir={tmp_path / 'run'}", "trainer.total_steps=36",
+        f"reward.models.rm.path={tmp_path / 'rm'}", f"logging.output_dir={tmp_path / 'run'}", "trainer.total_steps=36",
         "logging.console=false", "logging.plot=false"]), timeout=600)[0]
+    rm = json.loads((tmp_path / "rm" / BUILD_RECORD).read_text())
+    assert rm["heldout_accuracy"] >= 0.95 and rm["margin"] > 1  # the RM prefers the property on unseen pairs
     share = [r["reward/leading_zero"] for r in records]
     rm_score = [r["reward/rm/mean"] for r in records]
     assert share[0] <= 0.3 and sum(share[-3:]) / 3 >= 0.8, [round(s, 2) for s in share]

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import re
 import string
+from pathlib import Path
 
 from megatron_grpo.config.reward_models import RULE, JudgeConfig, ModelScorerConfig, ScorerServerConfig
+from megatron_grpo.config.scorer_checkpoint import scorer_folder_problem
 
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")  # a metric prefix and a dotted-override key
 JUDGE_FIELDS = ("prompt", "response", "ground_truth")
@@ -42,6 +44,13 @@ def _scorer(key: str, s: ModelScorerConfig) -> list[str]:
     out = []
     if not s.path:
         out.append(f"{key}.path: set the model's HF folder or hub id (its tokenizer renders the samples)")
+    elif (s.backend == "hf" or not s.sglang.urls) and Path(s.path).expanduser().is_dir():
+        # the weights load from this folder, here or on servers launched here (a hub id's: hf_backend.py)
+        problem = scorer_folder_problem(key, s.path, s.kind)
+        if problem:
+            out.append(problem)
+    if s.build_if_missing is not None and s.kind != "reward_model":
+        out.append(f"{key}.build_if_missing={s.build_if_missing} builds a reward model; this scorer is a {s.kind}")
     if s.batch_size < 1:
         out.append(f"{key}.batch_size={s.batch_size} must be >= 1")
     if not s.timeout_s > 0:

@@ -74,6 +74,10 @@ class ModelScorerConfig:
     # judge: a chat model asked judge.template (below).
     kind: Literal["reward_model", "judge"] = "reward_model"
     path: Optional[str] = None  # HF folder or hub id: the weights (backend hf) and always the tokenizer
+    # What makes `path` (a local folder then) when it does not exist yet, at the start; None = it must
+    # exist (or be a hub id). tiny_rm: reward_models/tiny_rm.py's tiny reward model of the embedded
+    # task (deterministic, ~10 s on a CPU; recipes/tiny_cpu_rm.yaml).
+    build_if_missing: Optional[Literal["tiny_rm"]] = None
     chat_template: Optional[str] = None  # a Jinja template replacing the tokenizer's own
     # hf: in the trainer's process with transformers (tiny models, CPU or one GPU); sglang: SGLang
     # servers (/classify for reward models, /generate for judges), `sglang` below.

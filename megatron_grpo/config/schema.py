@@ -355,7 +355,8 @@ class LoggingConfig:
     wandb: bool = False
     wandb_entity: Optional[str] = None
     wandb_mode: Literal["online", "offline"] = "online"
-    plot: bool = False  # write a reward-curve PNG beside metrics.jsonl (needs matplotlib)
+    # write a reward-curve PNG beside metrics.jsonl (matplotlib: the `plot` extra; without it, one log line)
+    plot: bool = False
     # checkpoint.resume=never into a folder that holds a run: move that run aside to
     # <output_dir>.old-N (renamed, never deleted) instead of refusing.
     overwrite: bool = False

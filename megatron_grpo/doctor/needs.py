@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_grpo.config import validate
+from megatron_grpo.config.model_paths import local_path_reason
 from megatron_grpo.config.schema import Config
 from megatron_grpo.doctor import node
 from megatron_grpo.doctor.report import Finding
@@ -138,7 +139,7 @@ def _paths(config: Config, placement: Placement) -> list[Finding]:
             if key == "model.path":
                 rows.append(Finding.ok(key, "the initial policy", "none: built from trainer.seed at the start"))
             continue
-        if os.path.lexists(value) or value.startswith(("/", ".", "~")):
+        if os.path.lexists(value) or local_path_reason(value) is not None:  # the trainer's rule (config/model_paths.py)
             problem = node.unreadable(Path(value).expanduser())
             rows.append(Finding.blocker(key, "readable", f"{value}: {problem}") if problem
                         else Finding.ok(key, "readable", value))

@@ -3,10 +3,15 @@ existed), or CombinedRewards of it and the model scorers of reward.models, each 
 in-process transformers, SGLang servers by URL, or SGLang servers launched here on its GPUs."""
 from __future__ import annotations
 
+import json
+import logging
 import os
+import shutil
 import sys
+import time
 from pathlib import Path
 
+from megatron_grpo.config.model_paths import missing_local_path
 from megatron_grpo.config.reward_models import RULE, ModelScorerConfig
 from megatron_grpo.errors import ConfigError
 from megatron_grpo.reward_models.render import ChatRenderer
@@ -14,7 +19,10 @@ from megatron_grpo.reward_models.scorers import JudgeScorer, RewardModelScorer
 from megatron_grpo.rewards.combined import CombinedRewards
 from megatron_grpo.rewards.runner import RewardRunner
 
+log = logging.getLogger(__name__)
+
 RM_SERVER_SEED = 0  # --random-seed of every reward-model server launched here (launch_servers)
+BUILD_RECORD = "built_by.json"  # in a folder build_if_missing made: what made it and how well it scores
 
 
 def build_rewards(reward, log_dir: str | Path):
@@ -45,6 +53,10 @@ def build_scorer(name: str, cfg: ModelScorerConfig, log_dir: Path):
     from transformers import AutoTokenizer
 
     key = f"reward.models.{name}"
+    build_if_missing(key, cfg)
+    missing = missing_local_path(f"{key}.path", cfg.path)
+    if missing:  # not sent to the hub: its retries take a minute before they fail
+        raise ConfigError(missing)
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.path)
     except (OSError, ValueError) as exc:  # not a folder here, and not a hub id this machine can fetch
@@ -63,6 +75,28 @@ def build_scorer(name: str, cfg: ModelScorerConfig, log_dir: Path):
     except BaseException:
         backend.close()
         raise
+
+
+def build_if_missing(key: str, cfg: ModelScorerConfig) -> None:
+    """`build_if_missing`: makes the folder `cfg.path` when it does not exist. Written beside it and
+    renamed into place, so an interrupted build leaves no half folder that would pass for the model."""
+    from megatron_grpo.reward_models.tiny_rm import train_tiny_reward_model
+
+    target = Path(cfg.path).expanduser()
+    if cfg.build_if_missing is None or target.exists():
+        return
+    log.info("%s.path=%s does not exist: building it (%s.build_if_missing=%s, deterministic, ~10 s)", key, cfg.path,
+             key, cfg.build_if_missing)
+    started = time.perf_counter()
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted earlier build
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    rm = train_tiny_reward_model(partial)
+    record = {"build_if_missing": cfg.build_if_missing, "heldout_accuracy": rm.heldout_accuracy, "margin": rm.margin}
+    (partial / BUILD_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    partial.rename(target)
+    log.info("%s: built %s in %.1f s (held-out pairs ordered right: %.3f)", key, target, time.perf_counter() - started,
+             rm.heldout_accuracy)
 
 
 def sglang_backend(key: str, cfg: ModelScorerConfig, log_dir: Path):

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_grpo.config.scorer_checkpoint import load_report_problem
 from megatron_grpo.errors import ConfigError
 from megatron_grpo.reward_models.backend import JudgeReply
 
@@ -26,7 +27,12 @@ class HFBackend:
         if device == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"{key}.device=cuda but CUDA is not available here")
         loader = AutoModelForSequenceClassification if kind == "reward_model" else AutoModelForCausalLM
-        self.model = loader.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
+        model, info = loader.from_pretrained(path, dtype=DTYPES[dtype], output_loading_info=True)
+        # a hub id's folder was not local for the recipe check (config/scorer_checkpoint.py): the load's report
+        problem = load_report_problem(key, path, kind, info["missing_keys"], info["unexpected_keys"])
+        if problem:
+            raise ConfigError(problem)
+        self.model = model.to(device).eval()
         if kind == "reward_model" and not isinstance(getattr(self.model, "score", None), torch.nn.Module):
             raise ConfigError(f"{key}: {type(self.model).__name__} has no `score` head; the in-process backend serves "
                               f"the Llama / Qwen2 / Qwen3 / Mistral / Gemma *ForSequenceClassification layout")

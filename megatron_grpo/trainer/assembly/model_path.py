@@ -5,10 +5,10 @@ error otherwise."""
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 from megatron_grpo.checkpointing.layout import COMPLETE_MARKER, INITIAL_MODEL_DIR, MODEL_OPTIM_DIR
+from megatron_grpo.config.model_paths import local_path_reason
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError
 
@@ -78,6 +78,10 @@ def check_context_length(cfg: Config, max_positions: int, source: str) -> None:
         raise ConfigError(f"data.max_prompt_length + data.max_response_length = {cfg.data.max_prompt_length} + "
                           f"{cfg.data.max_response_length} = {longest} tokens exceed the model's context of "
                           f"{max_positions} ({source})")
+    multi_turn = cfg.rollout.multi_turn  # a trajectory (the prompt, every turn and observation) is one sequence
+    if multi_turn.environment is not None and (multi_turn.max_length or 0) > max_positions:
+        raise ConfigError(f"rollout.multi_turn.max_length={multi_turn.max_length} tokens (the prompt and every turn) "
+                          f"exceed the model's context of {max_positions} ({source})")
 
 
 def local_model_folder(value: str) -> Path:
@@ -104,7 +108,7 @@ def local_model_folder(value: str) -> Path:
 def _is_repo_id(value: str) -> bool:
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    if value.startswith((".", "~", os.sep)):
+    if local_path_reason(value) is not None:  # config/model_paths.py: the one rule for every model path key
         return False
     try:
         validate_repo_id(value)
