@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping, Optional, Sequence
 
+from megatron_grpo.cli_args import ArgumentParser, positive_int
 from megatron_grpo.errors import MegatronGRPOError
 
 
@@ -68,7 +69,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-grpo", description="GRPO on megatron-core.")
+    parser = ArgumentParser(prog="megatron-grpo", description="GRPO on megatron-core.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
         plugin = sub.add_parser(name, help=command.help, add_help=False)
@@ -84,9 +85,9 @@ def _add_config_parser(sub: argparse._SubParsersAction) -> None:
     show = config.add_parser("show", help="print the resolved config of RECIPE [overrides] as YAML")
     show.add_argument("recipe", help="a recipe file, or the name of one in recipes/ (e.g. tiny_cpu)")
     show.add_argument("overrides", nargs="*", metavar="key.sub=value")
-    show.add_argument("--world-size", type=int, default=None,
+    show.add_argument("--world-size", type=positive_int, default=None,
                       help="also check the batch sizes and engine placement against this many ranks")
-    show.add_argument("--ranks-per-node", type=int, default=None,
+    show.add_argument("--ranks-per-node", type=positive_int, default=None,
                       help="with --world-size: trainer ranks (GPUs) per node, for the colocated placement")
     show.add_argument("--no-validate", action="store_true", help="skip the cross-field checks")
     show.add_argument("--check-data", action="store_true",
@@ -105,17 +106,23 @@ Translates a verl command line or YAML into a recipe here (printed as YAML on st
 lists what changed and every verl key with no equivalent, with why). The verl arguments are taken
 as verl's examples write them: the key=value overrides alone, the whole line
 (python3 -m verl.trainer.main_ppo --config-name=... key=value ...), one quoted line with backslash
-breaks, or a verl YAML file. The recipe is validated unless --no-validate.
+breaks, a verl YAML file, or a launch script (run.sh [ARGS]: read without running it, the
+arguments of the python3 -m verl.trainer.main_ppo it runs, with its variables expanded as bash
+would; ARGS are its "$@", the environment fills what it does not set). The recipe is validated
+unless --no-validate.
   megatron-grpo config from-verl python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo ... > my.yaml
+  megatron-grpo config from-verl examples/grpo_trainer/run_qwen3-8b.sh > my.yaml
   megatron-grpo train my.yaml
 """
 
 
 def _from_verl_parser(config: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from_verl = config.add_parser("from-verl", help="translate a verl command line or YAML into a recipe",
+    from_verl = config.add_parser("from-verl",
+                                  help="translate a verl command line, YAML or launch script into a recipe",
                                   description=FROM_VERL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     from_verl.add_argument("--no-validate", action="store_true", help="skip the cross-field checks")
-    from_verl.add_argument("verl", nargs="+", metavar="VERL_ARG", help="verl's arguments, or a verl YAML file")
+    from_verl.add_argument("verl", nargs="+", metavar="VERL_ARG",
+                           help="verl's arguments, a verl YAML file, or a launch script and its arguments")
     from_verl.set_defaults(run=_config_from_verl)
     return from_verl
 
@@ -125,7 +132,7 @@ def _from_verl_args(argv: list[str]) -> argparse.Namespace:
     no_validate = False
     while argv and argv[0] in ("--no-validate", "-h", "--help"):
         if argv[0] != "--no-validate":
-            parser = argparse.ArgumentParser(prog="megatron-grpo config")
+            parser = ArgumentParser(prog="megatron-grpo config")
             _from_verl_parser(parser.add_subparsers()).print_help()
             raise SystemExit(0)
         no_validate, argv = True, argv[1:]
@@ -159,10 +166,12 @@ def _config_show(args: argparse.Namespace) -> int:
     from megatron_grpo.config import load_config, to_yaml, validate
 
     from megatron_grpo.config.derived import implied_settings
+    from megatron_grpo.config.validate import config_warnings
 
     config = load_config(args.recipe, args.overrides)
     if not args.no_validate:
         validate(config, world_size=args.world_size, ranks_per_node=args.ranks_per_node)
+        sys.stderr.write("".join(f"warning: {line}\n" for line in config_warnings(config)))
     sys.stdout.write("".join(f"# implied: {line}\n" for line in implied_settings(config)))
     if args.check_data:  # the trainer's own checks, imported only when asked for (as subcommands are)
         check_data = import_target("megatron_grpo.trainer.assembly.data_check:check_data")

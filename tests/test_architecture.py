@@ -15,6 +15,7 @@ DOC = REPO / "docs" / "architecture.md"
 # The layer table of docs/architecture.md: what each package may import from the project.
 ALLOWED = {
     "errors": set(),
+    "cli_args": set(),
     "optional": {"errors"},
     "config": {"errors"},
     "algo": {"errors", "config"},
@@ -26,14 +27,14 @@ ALLOWED = {
     "environments": {"errors", "data", "launch", "rewards"},
     "testing": {"errors", "launch"},
     "checkpointing": {"errors", "models"},
-    "convert": {"errors", "checkpointing", "launch", "models", "optional"},
+    "convert": {"errors", "cli_args", "checkpointing", "launch", "models", "optional"},
     "rollout": {"errors", "convert", "launch", "optional"},
     "reward_models": {"errors", "config", "data", "rewards", "rollout"},
     "trainer": {"errors", "optional", "config", "algo", "data", "launch", "ops", "models", "rewards",
                 "environments", "checkpointing", "convert", "rollout", "reward_models"},
-    "doctor": {"errors", "config"},
-    "plan": {"errors", "config", "algo", "launch", "ops", "models", "convert", "rollout", "trainer"},
-    "cli": {"errors", "config"},
+    "doctor": {"errors", "cli_args", "config"},
+    "plan": {"errors", "cli_args", "config", "algo", "launch", "ops", "models", "convert", "rollout", "trainer"},
+    "cli": {"errors", "cli_args", "config"},
     "train": {"cli"},
 }
 # Third-party packages a package must not import (the table's bold rules, and light reward workers).
@@ -46,6 +47,7 @@ FORBIDDEN = {
     "rollout": {"megatron"},
     "reward_models": {"megatron"},
     "cli": {"torch", "megatron", "transformers"},
+    "cli_args": {"torch", "megatron", "transformers"},
 }
 
 

@@ -78,6 +78,11 @@ def test_config_show_check_data_runs_the_starts_data_checks_without_a_model(tmp_
     assert main([*base, "data.max_response_length=64"]) == 2
     assert f"exceed the model's context of 64 (max_position_embeddings in {model}/config.json)" in \
         capsys.readouterr().err
+    # a multi-turn trajectory (the prompt, every turn and observation) is one sequence too
+    assert main([*base, "rollout.multi_turn.environment=lookup", "rollout.multi_turn.max_length=65"]) == 2
+    assert capsys.readouterr().err == (
+        "error: rollout.multi_turn.max_length=65 tokens (the prompt and every turn) exceed the model's context of "
+        f"64 (max_position_embeddings in {model}/config.json)\n")
     assert main(base) == 2
     error = capsys.readouterr().err
     assert f"{data}:2" in error and error.count("\n") == 1
@@ -154,6 +159,58 @@ def test_console_script_entry_point(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: algorithm.adv_estimator=grpo needs rollout.n >= 2")
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+# Each flag's bad values, with the one line that refuses them. The recipe / checkpoint named is missing:
+# had anything been read before the flags were checked, the error would name it instead.
+BAD_FLAGS = [
+    (["config", "show", "no_such_recipe"], [("--world-size", "0", "must be a positive integer, got 0"),
+                                            ("--ranks-per-node", "-2", "must be a positive integer, got -2")]),
+    (["plan", "no_such_recipe"], [("--nodes", "0", "must be a positive integer, got 0"),
+                                  ("--nodes", "1.5", "must be a positive integer, got 1.5"),
+                                  ("--gpus-per-node", "-8", "must be a positive integer, got -8"),
+                                  ("--trainer-gpus", "0", "must be a positive integer, got 0"),
+                                  ("--gpu-memory-gb", "nan", "must be a positive number, got nan"),
+                                  ("--gpu-memory-gb", "0", "must be a positive number, got 0"),
+                                  ("--link-gbps", "inf", "must be a positive number, got inf"),
+                                  ("--reserve-gb", "-1", "must be a number >= 0, got -1"),
+                                  ("--reserve-gb", "80", "80 must be less than --gpu-memory-gb 80"),
+                                  ("--json", "{tmp}/missing/plan.json", "its folder {tmp}/missing does not exist"),
+                                  ("--json", "{tmp}", "{tmp} is a folder, not a file")]),
+    (["doctor", "no_such_recipe"], [("--world-size", "0", "must be a positive integer, got 0"),
+                                    ("--ranks-per-node", "-1", "must be a positive integer, got -1"),
+                                    ("--port", "0", "must be a port number (1 to 65535), got 0"),
+                                    ("--port", "70000", "must be a port number (1 to 65535), got 70000")]),
+    (["export", "no_such_run", "--out", "{tmp}/hf"], [("--step", "0", "must be a positive integer, got 0"),
+                                                      ("--tp", "0", "must be a positive integer, got 0"),
+                                                      ("--pp", "-2", "must be a positive integer, got -2"),
+                                                      ("--ep", "0", "must be a positive integer, got 0"),
+                                                      ("--etp", "0", "must be a positive integer, got 0"),
+                                                      ("--max-shard-size", "0GB", "must be a size such as 5GB"),
+                                                      ("--max-shard-size", "infGB", "must be a size such as 5GB"),
+                                                      ("--max-shard-size", "big", "must be a size such as 5GB")]),
+    (["convert", "megatron-to-hf", "--ckpt", "no_such_ckpt"],
+     [("--out", "{tmp}/file/hf", "its folder {tmp}/file is not a folder")]),
+    (["convert", "hf-to-megatron", "--hf", "no_such_model", "--out", "{tmp}/mc"],
+     [("--vocab-multiple", "0", "must be a positive integer, got 0"), ("--tp", "-1", "must be a positive integer")]),
+]
+
+
+@pytest.mark.parametrize("command, flag, value, message",
+                         [(command, *case) for command, cases in BAD_FLAGS for case in cases],
+                         ids=lambda x: " ".join(x) if isinstance(x, list) else x)
+def test_bad_flags_are_refused_in_one_line_before_anything_is_read(tmp_path, capsys, command, flag, value, message):
+    """0, negative, nan, inf, a reserve above the memory, an output whose folder is missing or a file:
+    `error: --flag ...`, exit 2, checked while the arguments are parsed (no recipe read, no plan
+    simulated, no checkpoint opened)."""
+    (tmp_path / "file").write_text("")
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in [*command, flag, value]]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.startswith(f"error: {flag} ") and err.count("\n") == 1, err
+    assert message.replace("{tmp}", str(tmp_path)) in err, err
 
 
 def test_show_requires_a_recipe(capsys):

@@ -456,6 +456,65 @@ def test_moe_keys_need_a_moe_model(tmp_path):
         "mixture-of-experts model); set it to false")
 
 
+MOE_SIZES = [*MOE, "model.override_config.num_experts_per_tok=2", "model.override_config.moe_intermediate_size=64"]
+
+
+@pytest.mark.parametrize("overrides, world_size, expected", [
+    (["model.override_config.num_experts=0"], None, "num_experts=0 in model.override_config must be >= 1 "
+                                                    "(model_type 'qwen3_moe' is a mixture-of-experts model)"),
+    (["model.override_config.num_experts_per_tok=0"], None, "num_experts_per_tok=0 in model.override_config must be"),
+    (["model.override_config.moe_intermediate_size=0"], None, "moe_intermediate_size=0 in model.override_config"),
+    (["model.override_config.num_experts_per_tok=9"], None, "num_experts_per_tok=9 in model.override_config must be "
+                                                            "<= num_experts=8"),
+    (["parallel.expert=3"], None,
+     "parallel.expert=3 does not divide the model's num_experts=8 (model.override_config)"),
+    # zeros the divisibility checks divided by (a ZeroDivisionError before)
+    (["parallel.expert=0"], 2, "parallel.expert=0 must be >= 1"),
+    (["parallel.tensor=0"], 2, "parallel.tensor=0 must be >= 1"),
+    (["parallel.pipeline=0"], None, "parallel.pipeline=0 must be >= 1"),
+])
+def test_moe_sizes_and_zero_parallel_sizes_are_refused_with_key_and_value(overrides, world_size, expected):
+    message = error_of(validate, valid(*MOE_SIZES, *overrides), world_size=world_size)
+    assert message == expected or message.startswith(expected) or f"; {expected}" in message, message
+
+
+def test_moe_sizes_of_a_config_json_name_the_file(tmp_path):
+    config = {"model_type": "qwen3_moe", "num_attention_heads": 8, "num_hidden_layers": 4, "num_experts": 8,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert error_of(validate, valid(f"model.path={tmp_path}", "model.override_config={}")) == (
+        f"moe_intermediate_size=0 in {tmp_path / 'config.json'} must be >= 1 (model_type 'qwen3_moe' is a "
+        "mixture-of-experts model)")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen3", "moe_intermediate_size": 64,
+                                                      "num_experts": 0}))
+    validate(valid(f"model.path={tmp_path}", "model.override_config={}"))  # a dense model's 0: not an MoE size
+
+
+def test_multi_turn_keys_without_an_environment_are_refused():
+    assert error_of(validate, valid("rollout.multi_turn.max_turns=8", "rollout.multi_turn.max_length=4096")) == (
+        "rollout.multi_turn.environment is not set (multi-turn is off), but rollout.multi_turn.max_turns=8, "
+        "rollout.multi_turn.max_length=4096 are set and would have no effect: set rollout.multi_turn.environment "
+        "or leave them out")
+
+
+def test_a_warmup_as_long_as_the_run_is_a_warning(capsys):
+    """lr_warmup_steps >= the run's steps: the LR never reaches actor.optim.lr. A warning (a short try of
+    a recipe with its warmup is legitimate), from config show and from the trainer once the run's
+    length is known (trainer.total_epochs: from the prompts)."""
+    from megatron_grpo.cli import main
+    from megatron_grpo.config.validate import config_warnings
+
+    warmup = valid("actor.optim.lr_warmup_steps=10", "actor.optim.lr_scheduler=cosine")
+    validate(warmup)
+    assert config_warnings(warmup) == []  # total_epochs: the length is not known before the prompts are
+    assert config_warnings(warmup, total_steps=10) == [
+        "actor.optim.lr_warmup_steps=10 >= the run's 10 steps: the whole run is warmup, the learning rate rises "
+        "from 0 and never reaches actor.optim.lr=1e-06 (the cosine decay never starts)"]
+    assert config_warnings(warmup, total_steps=11) == []
+    assert main(["config", "show", "tiny_cpu", "actor.optim.lr_warmup_steps=5", "trainer.total_steps=3"]) == 0
+    assert capsys.readouterr().err.startswith("warning: actor.optim.lr_warmup_steps=5 >= the run's 3 steps")
+
+
 def test_dense_model_types_are_the_architectures_without_experts():
     from megatron_grpo.config.validate import DENSE_MODEL_TYPES
     from megatron_grpo.models.architectures import ARCHITECTURES

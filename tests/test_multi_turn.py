@@ -348,7 +348,8 @@ def test_trainer_logprobs_equal_the_engines_over_multi_turn_trajectories(tmp_pat
     (["rollout.multi_turn.turn_reward=discounted", "rollout.multi_turn.discount=0"], "discount=0.0 must be in (0, 1]"),
     (["rollout.multi_turn.discount=0.9"], "has no effect with turn_reward=sum"),
     (["rollout.multi_turn.environment=a:b:"], "expected a built-in name"),
-    (["rollout.multi_turn.environment=null"], "environment_kwargs is set but rollout.multi_turn.environment is not"),
+    (["rollout.multi_turn.environment=null"], "rollout.multi_turn.environment is not set (multi-turn is off), but "
+                                              "rollout.multi_turn.environment_kwargs={'value_digits': 3"),
 ])
 def test_multi_turn_config_errors(overrides, message):
     from megatron_grpo.config import load_config, validate

@@ -3,7 +3,8 @@ of verl at a pinned commit and the DAPO recipe's scripts, as the arguments bash 
 `config from-verl`: each translates; every key it sets is either translated or listed in the
 recipe's header with its reason; a key verl passes through unchanged keeps its value; and the
 recipe validates at the script's own world size (trainer.nnodes x trainer.n_gpus_per_node), or is
-refused for a reason named here, in one line that names the key."""
+refused for a reason named here, in one line that names the key. The scripts themselves (NAME.sh
+beside NAME.args), read by `config from-verl` without running them, give the arguments bash gave."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_grpo.config import validate
-from megatron_grpo.config.from_verl import config_of, parse_command_line, render_recipe, translate
+from megatron_grpo.config.from_verl import config_of, parse_command_line, read_script, render_recipe, translate
 from megatron_grpo.config.verl_keys import lookup
 from megatron_grpo.errors import ConfigError
 
@@ -41,6 +42,22 @@ REFUSED = {
     # fp16 training would need loss scaling; bfloat16 is the supported half precision
     "dapo/test_dapo_8b_megatron_fp16": "model.dtype=float16 is not supported",
     "dapo/test_dapo_qwen3_moe_30b_megatron_fp16": "model.dtype=float16 is not supported",
+}
+
+
+# The environment extract.sh ran the scripts in ($PWD: the folder it ran them from)
+EXTRACT_ENVIRONMENT = {"HOME": "/home/user", "RAY_DATA_HOME": "/home/user/verl", "PWD": "/tmp/tmp.m5FR89g88f"}
+# Variables scripts read but never set (bash passes them empty): the reader refuses each, naming it,
+# until the environment sets it (here: empty, as bash had them)
+NEVER_SET = {
+    "grpo_trainer/run_deepseek671b_math_megatron_80gb": ["CKPT_DIR"],
+    "grpo_trainer/run_gptoss_20b": ["gsm8k_train_path", "gsm8k_test_path"],
+    "grpo_trainer/run_moonlight16b_math_megatron": ["DIST_CKPT_PATH"],
+    "grpo_trainer/run_qwen2-7b_math_trtllm": ["EXP_NAME_SUFFIX"],
+    "grpo_trainer/run_qwen2_5_vl-7b-megatron": ["DIST_CKPT_PATH"],
+    "grpo_trainer/run_qwen3_8b_grpo_sglang_1k_spmd_npu": ["pwd"],  # (meant $PWD)
+    "grpo_trainer/run_qwen3_8b_grpo_sglang_32k_spmd_npu": ["pwd"],
+    "grpo_trainer/run_qwen3moe-30b_megatron_96gb": ["aime24_test_path"],
 }
 
 
@@ -98,3 +115,29 @@ def _as_launched(config, world: int, per_node: int):
     urls = [f"http://node{k}:30000" for k in range(s.num_engines)]
     return dataclasses.replace(config, rollout=dataclasses.replace(
         config.rollout, sglang=dataclasses.replace(s, urls=urls)))
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=_name)
+def test_verl_script_read_without_running_it_gives_what_bash_passed(path):
+    """`config from-verl NAME.sh`: the script's launch arguments, from its assignments, ${X:-default},
+    $((...)), arrays, "$@" and `if` tests, equal what bash passed (NAME.args); a variable the script
+    reads but never sets is refused in one line naming file:line and the variable, until the
+    environment sets it."""
+    script = path.with_suffix(".sh")
+    environment = dict(EXTRACT_ENVIRONMENT)
+    for variable in NEVER_SET.get(_name(path), []):
+        with pytest.raises(ConfigError) as error:
+            read_script(script, environ=environment)
+        message = str(error.value)
+        assert f"${variable} is set neither in the script nor in the environment" in message, message
+        where, line = message.split(":")[:2]
+        assert where == str(script) and "\n" not in message
+        assert variable in script.read_text().splitlines()[int(line) - 1]  # the line that reads it
+        environment[variable] = ""
+    bash = parse_command_line(path.read_text().splitlines())
+    read = read_script(script, environ=environment)
+    assert read.items == bash.items
+    # besides bash's Hydra flags, the header lists what was not read: `source FILE` (an Ascend / env.sh setup)
+    assert read.ignored[:len(bash.ignored)] == bash.ignored
+    assert all("`source " in note and note.endswith("(may set variables; not read)")
+               for note in read.ignored[len(bash.ignored):])

@@ -17,7 +17,7 @@ from megatron_grpo.cli import main
 from megatron_grpo.config import load_config, validate
 from megatron_grpo.config.coerce import all_keys
 from megatron_grpo.config.from_verl import (config_of, markdown_table, parse_command_line, parse_value,
-                                            render_recipe, translate)
+                                            read_verl, render_recipe, translate)
 from megatron_grpo.config.schema import Config
 from megatron_grpo.config.verl_keys import TABLE, hint, lookup
 
@@ -346,6 +346,79 @@ def test_from_verl_reads_a_verl_yaml(tmp_path, capsys):
     assert recipe["rollout"]["n"] == 8 and recipe["data"]["train_files"] == [str(Path.home() / "data/train.parquet")]
     assert "critic.ppo_epochs=1: GRPO-family estimators need no critic" in out
     assert "hydra: Hydra's composition" in out and "defaults: Hydra's composition" in out
+
+
+LAUNCH_SCRIPT = """\
+#!/usr/bin/env bash
+set -xeuo pipefail
+export CUDA_DEVICE_MAX_CONNECTIONS=1  # megatron's overlap
+MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-8B}
+max_prompt_length=$((1024 * 2))
+DATA=(
+    data.train_files=$DATA_HOME/train.parquet  # from the environment
+    data.max_prompt_length=${max_prompt_length}
+)
+if [ "$MODEL_PATH" = "Qwen/Qwen3-8B" ]; then
+    n=8
+else
+    n=4
+fi
+python3 -m verl.trainer.main_ppo \\
+    algorithm.adv_estimator=grpo \\
+    "${DATA[@]}" \\
+    actor_rollout_ref.model.path="$MODEL_PATH" \\
+    actor_rollout_ref.rollout.n=$n \\
+    "$@"
+"""
+
+
+def test_from_verl_reads_a_launch_script_without_running_it(tmp_path, capsys, monkeypatch):
+    """`config from-verl run.sh [ARGS]`: the launch's arguments as bash would pass them (defaults,
+    arithmetic, arrays, `if` on a test, the environment for names the script does not set, ARGS as
+    "$@"), without running it."""
+    script = tmp_path / "run_grpo.sh"
+    script.write_text(LAUNCH_SCRIPT)
+    monkeypatch.setenv("DATA_HOME", "/data/gsm8k")
+    monkeypatch.delenv("MODEL_PATH", raising=False)
+    assert main(["config", "from-verl", str(script), "trainer.total_epochs=2"]) == 0
+    recipe = yaml.safe_load(capsys.readouterr().out)
+    assert recipe["data"]["train_files"] == ["/data/gsm8k/train.parquet"]
+    assert (recipe["data"]["max_prompt_length"], recipe["model"]["path"]) == (2048, "Qwen/Qwen3-8B")
+    assert (recipe["rollout"]["n"], recipe["trainer"]["total_epochs"]) == (8, 2)
+    monkeypatch.setenv("MODEL_PATH", "Qwen/Qwen3-4B")  # fills ${MODEL_PATH:-...}; the `if` takes the else
+    assert main(["config", "from-verl", str(script)]) == 0
+    recipe = yaml.safe_load(capsys.readouterr().out)
+    assert (recipe["model"]["path"], recipe["rollout"]["n"]) == ("Qwen/Qwen3-4B", 4)
+    # an override whose value names a .yaml / .sh file is an override, not a file to read
+    overrides = ["actor_rollout_ref.rollout.agent.agent_loop_config_path=loops.yaml", "data.train_batch_size=4"]
+    assert read_verl(overrides).items == [(overrides[0].split("=")[0], "loops.yaml"), ("data.train_batch_size", 4)]
+
+
+def test_from_verl_script_refuses_what_it_cannot_read_in_one_line(tmp_path, capsys, monkeypatch):
+    """A value only running the script would give (a command substitution, a variable set nowhere)
+    is refused in one line naming file:line and the variable; an input with no verl key at all is
+    refused, never printed as a recipe that claims nothing was dropped."""
+    monkeypatch.delenv("GSM8K_DIR", raising=False)
+    script = tmp_path / "run.sh"
+    script.write_text("STAMP=$(date +%s)\npython3 -m verl.trainer.main_ppo \\\n"
+                      "    trainer.experiment_name=grpo_$STAMP \\\n    data.train_files=$GSM8K_DIR/train.parquet\n")
+    assert main(["config", "from-verl", str(script)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {script}:1: $STAMP cannot be known: the command substitution $(date +%s) is known only by "
+        "running the script (the launch reads it at line 3)\n")
+    script.write_text(script.read_text().replace("grpo_$STAMP", "grpo"))
+    assert main(["config", "from-verl", str(script)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {script}:4: $GSM8K_DIR is set neither in the script nor in the environment\n")
+    nothing = tmp_path / "setup.sh"
+    nothing.write_text("pip install verl\necho ready\n")
+    for argv, message in ([[str(nothing)], f"error: {nothing}: no verl launch found"],
+                          [[str(tmp_path / "missing.sh")], f"error: cannot read {tmp_path / 'missing.sh'}: "],
+                          [["run", "now"], "error: no verl setting in 'run now': expected verl's key=value"]):
+        assert main(["config", "from-verl", *argv]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith(message) and captured.err.count("\n") == 1, captured.err
+        assert "Nothing given was dropped" not in captured.out
 
 
 # ---------------------------------------------------------------- verl keys given here

@@ -3,7 +3,9 @@ table in verl_keys.py; and that table as markdown (`config verl-keys`, the table
 
 Command lines are read as verl's examples write them: the arguments alone, or the whole line
 (`python3 -m verl.trainer.main_ppo --config-name=... key=value ...`, also as one quoted string with
-backslash line breaks). Values follow Hydra's override syntax as far as recipes need it (YAML
+backslash line breaks). A launch script (verl's examples/*.sh) is read without running it: the
+arguments of the `python3 -m verl.trainer.main_ppo` it runs, as bash would pass them
+(config/shell_script.py). Values follow Hydra's override syntax as far as recipes need it (YAML
 scalars, quoted strings, [a, b] lists, {a: 1} mappings; `+key=` and `++key=` add, `~key` deletes).
 Nothing is dropped silently: every key given is translated, or listed in the recipe's header with
 the reason it has no equivalent here.
@@ -16,7 +18,7 @@ import shlex
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence, get_args, get_origin
+from typing import Any, Literal, Mapping, Optional, Sequence, get_args, get_origin
 
 import yaml
 
@@ -24,10 +26,14 @@ from megatron_grpo.config.coerce import all_keys, strip_optional
 from megatron_grpo.config.derived import INERT_WITHOUT_KL_IN_REWARD
 from megatron_grpo.config.overrides import field_type_at
 from megatron_grpo.config.schema import Config
+from megatron_grpo.config.shell_script import looks_like_a_script, read_launches
 from megatron_grpo.config.verl_keys import TABLE, VERL_VERSION, lookup, verl_default_values
 from megatron_grpo.errors import ConfigError
 
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+# What a launch script runs: verl's trainer, or a verl recipe's (recipe.dapo.main_dapo)
+_LAUNCH_MODULE = re.compile(r"verl\.trainer\.main_ppo|recipe\.\w+\.main_\w+")
+_SCRIPT_SUFFIXES = (".sh", ".bash")
 
 
 @dataclass
@@ -66,6 +72,10 @@ def parse_command_line(args: Sequence[str]) -> VerlInput:
     """verl's `key=value` overrides from a command line (whole or the arguments alone)."""
     if len(args) == 1 and any(c.isspace() for c in args[0]):
         args = shlex.split(os.path.expandvars(args[0].replace("\\\n", " ")))  # one pasted, unexpanded line
+    return _parse_arguments(args)
+
+
+def _parse_arguments(args: Sequence[str]) -> VerlInput:
     parsed = VerlInput()
     started = False
     for token in args:
@@ -109,11 +119,61 @@ def read_yaml(path: Path) -> VerlInput:
     return parsed
 
 
-def read_verl(args: Sequence[str]) -> VerlInput:
-    """A verl YAML file (one argument ending in .yaml / .yml) or a command line."""
-    if len(args) == 1 and args[0].endswith((".yaml", ".yml")):
-        return read_yaml(Path(args[0]))
-    return parse_command_line(args)
+def read_script(path: Path, positional: Sequence[str] = (),
+                environ: Optional[Mapping[str, str]] = None) -> VerlInput:
+    """The overrides of the verl launch in a shell script, read without running it. `positional`
+    are the script's own arguments ("$@"); `environ` (default: this process's, with $PWD as bash
+    sets it) fills the names the script does not set."""
+    if environ is None:
+        environ = {**os.environ, "PWD": os.getcwd()}
+    reading = read_launches(path, positional, environ, lambda module: _LAUNCH_MODULE.fullmatch(module) is not None)
+    if not reading.launches:
+        raise ConfigError(f"{path}: no verl launch found (python3 -m verl.trainer.main_ppo ..., or a recipe's "
+                          "python3 -m recipe.NAME.main_NAME ...)")
+    if len(reading.launches) > 1:
+        lines = ", ".join(str(launch.line) for launch in reading.launches)
+        raise ConfigError(f"{path}: runs verl {len(reading.launches)} times (lines {lines}): give the launch to "
+                          "translate as a command line")
+    launch = reading.launches[0]
+    parsed = _parse_arguments([argument for argument, _ in launch.arguments])
+    parsed.ignored.extend(reading.not_read)
+    if not parsed.items:
+        raise ConfigError(f"{path}:{launch.line}: the launch of {launch.module} passes no key=value override")
+    return parsed
+
+
+def read_verl(args: Sequence[str], environ: Optional[Mapping[str, str]] = None) -> VerlInput:
+    """A verl YAML file (one argument ending in .yaml / .yml), a launch script (a file ending in
+    .sh / .bash, or one that reads as a script; the arguments after it are its "$@") or a command
+    line. Refused (ConfigError) when it holds no verl key at all."""
+    first = Path(args[0]) if args else None
+    if first is not None and _names_file(args[0], (".yaml", ".yml")):
+        if len(args) > 1:
+            raise ConfigError(f"a verl YAML file takes no other arguments (given: {' '.join(args[1:])})")
+        parsed = read_yaml(first)
+    elif first is not None and (_names_file(args[0], _SCRIPT_SUFFIXES) or _is_script(first)):
+        return read_script(first, args[1:], environ)
+    elif len(args) == 1 and first is not None and first.is_file():
+        parsed = read_yaml(first)  # a verl YAML file by another name
+    else:
+        parsed = parse_command_line(args)
+    if not parsed.items:
+        shown = " ".join(args) if len(" ".join(args)) <= 80 else " ".join(args)[:77] + "..."
+        raise ConfigError(f"no verl setting in {shown!r}: expected verl's key=value overrides (python3 -m "
+                          "verl.trainer.main_ppo key=value ...), a verl YAML file or a launch script (.sh)")
+    return parsed
+
+
+def _names_file(token: str, suffixes: tuple[str, ...]) -> bool:
+    """A file by its suffix, unless it is a key=value override whose value has that suffix."""
+    return Path(token).suffix in suffixes and ("=" not in token or Path(token).is_file())
+
+
+def _is_script(path: Path) -> bool:
+    try:
+        return path.is_file() and looks_like_a_script(path.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return False
 
 
 def translate(parsed: VerlInput) -> VerlTranslation:
@@ -251,4 +311,4 @@ def config_of(translation: VerlTranslation) -> Config:
 
 
 __all__ = ["VerlInput", "VerlTranslation", "config_of", "markdown_table", "parse_command_line", "parse_value",
-           "read_verl", "read_yaml", "render_recipe", "to_nested", "translate"]
+           "read_script", "read_verl", "read_yaml", "render_recipe", "to_nested", "translate"]

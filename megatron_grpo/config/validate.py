@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from megatron_grpo.config.coerce import field_types
 from megatron_grpo.config.derived import overlong_cap, sampling_replay_enabled, values_at
-from megatron_grpo.config.model_dims import hf_config_file, model_dims
+from megatron_grpo.config.model_dims import ModelDims, hf_config_file, model_dims
 from megatron_grpo.config.names import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, REWARD_FUNCTIONS, check_name, unknown_name
 from megatron_grpo.config.policy_clip import clip_problems
 from megatron_grpo.config.reward_model_checks import reward_model_problems
-from megatron_grpo.config.schema import Config
+from megatron_grpo.config.schema import Config, ParallelConfig
 from megatron_grpo.errors import ConfigError
 
 GROUP_ESTIMATORS = ("grpo", "rloo")  # need >= 2 samples per prompt to form a baseline
@@ -45,6 +46,22 @@ def validate(config: Config, world_size: Optional[int] = None, ranks_per_node: O
         raise ConfigError(problems[0])
     if problems:
         raise ConfigError(f"{len(problems)} config problems: " + "; ".join(problems))
+
+
+def config_warnings(config: Config, total_steps: Optional[int] = None) -> list[str]:
+    """What validates but is likely not what was meant, one line each: `config show` prints them, the
+    trainer logs them once the run's length is known (`total_steps`: trainer.total_steps, or the
+    steps of trainer.total_epochs over the prompts)."""
+    lines = []
+    o = config.actor.optim
+    total = total_steps if total_steps is not None else config.trainer.total_steps
+    # A warning, not an error: a short try of a recipe (trainer.total_steps=3 with its 10-step warmup) is
+    # a normal thing to run, and it trains, only at a fraction of the learning rate.
+    if o.lr_warmup_steps > 0 and total is not None and o.lr_warmup_steps >= total:
+        lines.append(f"actor.optim.lr_warmup_steps={o.lr_warmup_steps} >= the run's {total} steps: the whole run "
+                     f"is warmup, the learning rate rises from 0 and never reaches actor.optim.lr={o.lr:g}"
+                     + (" (the cosine decay never starts)" if o.lr_scheduler == "cosine" else ""))
+    return lines
 
 
 def _unwired(c: Config, out: list[str]) -> None:
@@ -83,6 +100,9 @@ def _model(c: Config, out: list[str]) -> None:
                    "has no float32 kernel; use model.attention_backend=local for float32")
     dims = model_dims(m)
     p = c.parallel
+    _moe_sizes(dims, p, out)
+    if p.tensor < 1 or p.pipeline < 1:
+        return  # refused by _parallel; nothing divides by them
     if dims.num_attention_heads is not None and dims.num_attention_heads % p.tensor:
         out.append(f"the model's {dims.num_attention_heads} attention heads are not divisible by "
                    f"parallel.tensor={p.tensor}")
@@ -93,6 +113,27 @@ def _model(c: Config, out: list[str]) -> None:
     if dims.num_layers is not None and dims.num_layers % stages:
         out.append(f"the model's {dims.num_layers} layers are not divisible by parallel.pipeline x "
                    f"virtual_pipeline = {p.pipeline} x {p.virtual_pipeline or 1}")
+
+
+def _moe_sizes(dims: ModelDims, p: ParallelConfig, out: list[str]) -> None:
+    """A mixture-of-experts model's sizes (config.json or model.override_config): each >= 1, top-k
+    within the experts, the experts split over parallel.expert."""
+    if dims.model_type is None or dims.model_type in DENSE_MODEL_TYPES:
+        return  # (a dense model's config may carry num_experts=0)
+    bad = [key for key, value in dims.moe.items() if value < 1]
+    for key in bad:
+        out.append(f"{key}={dims.moe[key]} in {dims.source[key]} must be >= 1 (model_type {dims.model_type!r} is a "
+                   f"mixture-of-experts model)")
+    experts_key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in dims.moe), None)
+    if experts_key is None or experts_key in bad:
+        return
+    experts, top_k = dims.moe[experts_key], dims.moe.get("num_experts_per_tok")
+    if top_k is not None and top_k > experts:
+        out.append(f"num_experts_per_tok={top_k} in {dims.source['num_experts_per_tok']} must be <= "
+                   f"{experts_key}={experts}")
+    if p.expert >= 1 and experts % p.expert:
+        out.append(f"parallel.expert={p.expert} does not divide the model's {experts_key}={experts} "
+                   f"({dims.source[experts_key]})")
 
 
 def _parallel(c: Config, out: list[str]) -> None:
@@ -384,8 +425,12 @@ def _multi_turn(c: Config, out: list[str]) -> None:
     m = c.rollout.multi_turn
     key = "rollout.multi_turn"
     if m.environment is None:
-        if m.environment_kwargs:
-            out.append(f"{key}.environment_kwargs is set but {key}.environment is not")
+        keys = [f"{key}.{name}" for name in field_types(type(m)) if name != "environment"]
+        changed = [f"{k}={value!r}" for k, value, default in values_at(c, keys) if value != default]
+        if changed:
+            out.append(f"{key}.environment is not set (multi-turn is off), but {', '.join(changed)} "
+                       f"{'is' if len(changed) == 1 else 'are'} set and would have no effect: set {key}.environment "
+                       "or leave them out")
         return
     spec = m.environment.strip()
     target, sep, name = spec.rpartition(":")
@@ -510,6 +555,8 @@ def _colocated_placement(c: Config, world_size: int, ranks_per_node: Optional[in
 
 def _world(c: Config, world_size: int, out: list[str]) -> None:
     p = c.parallel
+    if min(p.tensor, p.pipeline, p.context, p.expert, p.expert_tensor or 1) < 1:
+        return  # refused by _parallel; nothing divides by them
     model_parallel = p.tensor * p.pipeline * p.context
     if world_size < 1 or world_size % model_parallel:
         out.append(f"world size {world_size} is not divisible by parallel.tensor x pipeline x context = "

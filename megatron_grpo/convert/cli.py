@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_grpo.cli_args import ArgumentParser, byte_size, output_folder, positive_int
 from megatron_grpo.errors import CheckpointError, ConfigError, MegatronGRPOError
 
 EPILOG_HF_TO_MEGATRON = """examples:
@@ -40,18 +41,18 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-grpo convert",
-                                     description="Convert between HF safetensors folders and megatron checkpoints.")
+    parser = ArgumentParser(prog="megatron-grpo convert",
+                            description="Convert between HF safetensors folders and megatron checkpoints.")
     sub = parser.add_subparsers(dest="direction", required=True)
     h2m = sub.add_parser("hf-to-megatron", help="HF folder -> megatron dist_checkpoint (torch_dist)",
                          epilog=EPILOG_HF_TO_MEGATRON, formatter_class=argparse.RawDescriptionHelpFormatter)
     h2m.add_argument("--hf", required=True, type=Path, help="HF model folder (config.json + *.safetensors)")
-    h2m.add_argument("--out", required=True, type=Path, help="output checkpoint folder")
-    h2m.add_argument("--tp", type=int, default=1, help="target tensor parallel size (vocab padding, and the "
-                                                       "sharding used when run under torchrun)")
-    h2m.add_argument("--pp", type=int, default=1, help="pipeline parallel size when run under torchrun")
+    h2m.add_argument("--out", required=True, type=output_folder, help="output checkpoint folder")
+    h2m.add_argument("--tp", type=positive_int, default=1, help="target tensor parallel size (vocab padding, and "
+                                                                "the sharding used when run under torchrun)")
+    h2m.add_argument("--pp", type=positive_int, default=1, help="pipeline parallel size when run under torchrun")
     _add_expert_arguments(h2m)
-    h2m.add_argument("--vocab-multiple", type=int, default=128,
+    h2m.add_argument("--vocab-multiple", type=positive_int, default=128,
                      help="pad the vocabulary to a multiple of this times --tp (default 128)")
     h2m.add_argument("--dtype", choices=["auto", *_DTYPES], default="auto",
                      help="stored dtype; auto = config.json's dtype (bf16 or fp32)")
@@ -69,48 +70,35 @@ CHECKPOINT_HELP = ("a hf-to-megatron checkpoint (or its model/), a training run 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     """The options `convert megatron-to-hf` and `export` share."""
-    parser.add_argument("--step", type=int, default=None,
+    parser.add_argument("--step", type=positive_int, default=None,
                         help="training step to export from a run / checkpoints folder (default: the newest "
                              "complete one)")
-    parser.add_argument("--out", required=True, type=Path, help="output HF folder")
+    parser.add_argument("--out", required=True, type=output_folder, help="output HF folder")
     parser.add_argument("--hf-reference", type=Path, default=None,
                         help="HF folder whose config.json and tokenizer files are used (a hf-to-megatron "
                              "checkpoint's config must match it)")
-    parser.add_argument("--tp", type=int, default=1, help="TP size to load with under torchrun")
-    parser.add_argument("--pp", type=int, default=1, help="PP size to load with under torchrun")
+    parser.add_argument("--tp", type=positive_int, default=1, help="TP size to load with under torchrun")
+    parser.add_argument("--pp", type=positive_int, default=1, help="PP size to load with under torchrun")
     _add_expert_arguments(parser)
-    parser.add_argument("--max-shard-size", type=str, default="5GB",
+    parser.add_argument("--max-shard-size", type=byte_size, default="5GB",
                         help="safetensors shard size, e.g. 5GB, 500MB")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
 
 
 def _add_expert_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ep", type=int, default=1,
+    parser.add_argument("--ep", type=positive_int, default=1,
                         help="expert parallel size under torchrun (MoE models: experts spread over EP ranks)")
-    parser.add_argument("--etp", type=int, default=None,
+    parser.add_argument("--etp", type=positive_int, default=None,
                         help="expert tensor parallel size under torchrun (default: --tp)")
 
 
 def check_expert_layout(cfg, args, where: str) -> None:
     """--ep / --etp split the model's experts (one ConfigError naming the option otherwise)."""
     etp = args.tp if args.etp is None else args.etp
-    if args.ep < 1 or etp < 1:
-        raise ConfigError(f"--ep {args.ep} / --etp {etp}: expected integers >= 1")
     try:
         cfg.check_expert_parallel(args.ep, etp)
     except ConfigError as exc:
         raise ConfigError(f"--ep {args.ep} / --etp {etp}: {where}: {exc}") from None
-
-
-def parse_size(text: str) -> int:
-    units = {"KB": 1024, "MB": 1024**2, "GB": 1024**3, "B": 1}
-    try:
-        for unit, factor in units.items():
-            if text.upper().endswith(unit):
-                return int(float(text[: -len(unit)]) * factor)
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 1000000") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,7 +255,7 @@ def megatron_to_hf(args) -> Path:
 
     refuse_output_over_sources(args.out, [*folders_read(args.ckpt), ("--hf-reference", args.hf_reference)])
     _check_output(args.out, args.force)
-    max_shard_bytes = parse_size(args.max_shard_size)
+    max_shard_bytes = args.max_shard_size  # (bytes: cli_args.byte_size, the default "5GB" too)
     source = resolve_source(args.ckpt, step=args.step, hf_reference=args.hf_reference)
     # what resolving found: the step folder, and the model folder config.json and the tokenizer come from
     refuse_output_over_sources(args.out, [("the checkpoint", Path(source.label)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from megatron_grpo.cli_args import ArgumentParser
 from megatron_grpo.convert.cli import CHECKPOINT_HELP, add_export_arguments, megatron_to_hf, run_tool
 
 EPILOG = """examples:
@@ -23,8 +24,8 @@ tokenizer files and generation_config.json of the model the run started from.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-grpo export", description=__doc__.splitlines()[0],
-                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="megatron-grpo export", description=__doc__.splitlines()[0],
+                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("ckpt", type=Path, metavar="RUN_DIR|CHECKPOINT_DIR", help=CHECKPOINT_HELP)
     add_export_arguments(parser)
     return parser

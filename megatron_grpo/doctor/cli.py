@@ -16,6 +16,7 @@ import importlib
 import socket
 from typing import Optional, Sequence
 
+from megatron_grpo.cli_args import ArgumentParser, port, positive_int
 from megatron_grpo.config import load_config
 from megatron_grpo.doctor.needs import Placement, check_recipe
 from megatron_grpo.doctor.report import blockers, render_table
@@ -24,13 +25,13 @@ DEFAULT_RECIPE = "tiny_cpu"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-grpo doctor", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="megatron-grpo doctor", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE, help="a recipe file or name [tiny_cpu]")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
-    parser.add_argument("--world-size", type=int, default=None, help="trainer ranks of the whole job")
-    parser.add_argument("--ranks-per-node", type=int, default=None, help="trainer ranks (GPUs) on each node")
-    parser.add_argument("--port", type=int, action="append", dest="ports", default=None,
+    parser.add_argument("--world-size", type=positive_int, default=None, help="trainer ranks of the whole job")
+    parser.add_argument("--ranks-per-node", type=positive_int, default=None, help="trainer ranks (GPUs) on each node")
+    parser.add_argument("--port", type=port, action="append", dest="ports", default=None,
                         help="a server port that must be free on this node (repeat; default: the recipe's "
                              "when the trainer starts the engines)")
     parser.add_argument("--bind-host", default=None, help="the address those servers bind [rollout.sglang.host]")

@@ -3,7 +3,7 @@ every pipeline stage's memory through a GRPO step, simulated with the real model
 fake tensors (no GPU, no weights), the engines' KV capacity and the weight-sync volume. Exit 0
 when the layout fits, 2 when it does not (one line says where and what to change) or the recipe
 is bad. --trainer-gpus W plans the trainer alone on W GPUs (what `train` does before it builds
-anything on a CUDA cluster)."""
+anything on a CUDA cluster). Every flag is checked before the recipe is read (cli_args.py)."""
 from __future__ import annotations
 
 import argparse
@@ -13,24 +13,40 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
+from megatron_grpo.cli_args import (ArgumentParser, flag_error, non_negative_float, output_file, positive_float,
+                                    positive_int)
 from megatron_grpo.config import load_config, validate
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-grpo plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="megatron-grpo plan", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", help="a recipe file or name")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
-    parser.add_argument("--nodes", type=int, default=None, help="nodes of the job (trainer and dedicated engines)")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="GiB per GPU as nvidia-smi shows it [80]")
-    parser.add_argument("--reserve-gb", type=float, default=3.0,
+    parser.add_argument("--nodes", type=positive_int, default=None,
+                        help="nodes of the job (trainer and dedicated engines) [1]")
+    parser.add_argument("--gpus-per-node", type=positive_int, default=8)
+    parser.add_argument("--gpu-memory-gb", type=positive_float, default=80.0,
+                        help="GiB per GPU as nvidia-smi shows it [80]")
+    parser.add_argument("--reserve-gb", type=non_negative_float, default=3.0,
                         help="GiB per GPU no tensor of the step holds: CUDA context, NCCL, fragmentation [3]")
-    parser.add_argument("--link-gbps", type=float, default=400.0, help="network link per GPU, Gb/s [400]")
-    parser.add_argument("--trainer-gpus", type=int, default=None,
+    parser.add_argument("--link-gbps", type=positive_float, default=400.0, help="network link per GPU, Gb/s [400]")
+    parser.add_argument("--trainer-gpus", type=positive_int, default=None,
                         help="plan the trainer alone on this many GPUs (no engines)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON")
+    parser.add_argument("--json", metavar="PATH", type=output_file, default=None,
+                        help="also write the figures as JSON")
     return parser
+
+
+def parse_arguments(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    """The flags, each checked alone (their types) and together, before anything is read."""
+    args = build_parser().parse_intermixed_args(argv)
+    if args.reserve_gb >= args.gpu_memory_gb:
+        flag_error("--reserve-gb", f"{args.reserve_gb:g} must be less than --gpu-memory-gb {args.gpu_memory_gb:g}: "
+                                   "nothing would be left for the step")
+    if args.trainer_gpus is not None and args.nodes is not None:
+        flag_error("--trainer-gpus", "and --nodes cannot be given together: --trainer-gpus plans the trainer alone")
+    return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -39,11 +55,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_grpo.plan.report import render
     from megatron_grpo.plan.summary import summary
 
-    args = build_parser().parse_intermixed_args(argv)
+    args = parse_arguments(argv)
     cfg = load_config(args.recipe, args.overrides)
     if args.trainer_gpus is not None:
-        if args.nodes is not None:
-            raise SystemExit("megatron-grpo plan: give --nodes or --trainer-gpus, not both")
         cluster = Cluster(nodes=1, gpus_per_node=args.trainer_gpus, gpu_memory_gb=args.gpu_memory_gb,
                           link_gbps=args.link_gbps, reserve_gb=args.reserve_gb)
         cfg = trainer_only(cfg)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-extracts the test data here from verl's launch scripts: each script runs for real in bash (its
+# Re-extracts the test data here from verl's launch scripts (copied beside their .args): each script runs for real in bash (its
 # variables, arithmetic and arrays evaluated by bash itself) with `python3` / `python` replaced by a
 # stand-in that writes the arguments of the launch (`python3 -m verl.trainer.main_ppo ...`, also
 # behind `ray job submit -- ...`) one per line, and ray / cp / nvidia-smi / downloads stubbed out.
@@ -26,6 +26,7 @@ for stub in cp nvidia-smi huggingface-cli hf pip wandb; do printf '#!/bin/bash\n
 chmod +x "$work/bin/"*
 
 extract() {  # script, output file
+  cp "$1" "${2%.args}.sh"  # the script itself, which `config from-verl SCRIPT` reads without running it
   # Ascend's environment script is sourced by the NPU examples; it does not exist here
   sed 's#^source /usr/local/Ascend.*#: Ascend set_env skipped#' "$1" > "$work/script.sh"
   rm -f "$2"
