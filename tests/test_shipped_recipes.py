@@ -65,8 +65,10 @@ CLUSTER_RECIPES: dict[str, CpuShrink] = {
         why="TP2 x EP8 x DP8 on 16 GPUs, 8 dedicated engines of tp 2 -> TP2 x EP2 x DP2, 1 engine of tp 2"),
 }
 
-# Recipes run by the local engine, and the test that trains each.
+# Recipes that run whole on this machine, and the test that trains each.
 LOCAL_RECIPES = {
+    # one real SGLang engine on the CPU: learns in CI's cluster-version lane (checked by the script)
+    "tiny_cpu_sglang": "scripts/test_cluster_lane.sh",
     "tiny_cpu": "tests/test_trainer_e2e.py::test_tiny_recipe_learns",
     "tiny_cpu_moe": "tests/test_moe_train_e2e.py::test_moe_recipe_trains_at_ep2_with_routing_replay",
     "tiny_cpu_glm4_moe": "tests/test_glm4_moe_recipe.py::test_tiny_glm4_moe_recipe_learns",

@@ -42,6 +42,32 @@ def weight_sync_route(cfg: Config) -> str:
     return "per_stage" if engine_in_own_process(cfg) else "rank0"
 
 
+def engine_memory_released(cfg: Config) -> bool:
+    """Whether launched SGLang engines give their memory to training after each rollout: colocated
+    engines (weight_sync=tensor) on GPUs, through SGLang's memory saver. SGLang 0.5.23 has none on a
+    CPU (torch_memory_saver needs CUDA; /release_memory_occupation without it stops the server)."""
+    s = cfg.rollout.sglang
+    return cfg.rollout.engine == "sglang" and s.weight_sync == "tensor" and s.device == "cuda"
+
+
+def engine_kv_tokens(cfg: Config) -> int | None:
+    """A launched SGLang engine's KV cache in tokens (--max-total-tokens): rollout.sglang.max_total_tokens,
+    or on a CPU, where SGLang would take the machine's RAM for it, what max_concurrency sequences of
+    the longest length hold; None: SGLang sizes it from mem_fraction."""
+    s = cfg.rollout.sglang
+    if s.max_total_tokens is not None:
+        return s.max_total_tokens
+    if s.device != "cpu":
+        return None
+    return s.max_concurrency * longest_sequence(cfg)
+
+
+def longest_sequence(cfg: Config) -> int:
+    """Prompt + response tokens of the longest trajectory a rollout may produce."""
+    d = cfg.data
+    return cfg.rollout.multi_turn.max_length or d.max_prompt_length + d.max_response_length
+
+
 def implied_settings(cfg: Config) -> list[str]:
     """One line per implied setting, for `config show`."""
     r = cfg.rollout

@@ -108,6 +108,14 @@ class SGLangConfig:
     num_engines: int = 1
     tp_size: int = 1  # GPUs per engine
     mem_fraction: float = 0.8  # --mem-fraction-static
+    # Where launched engines run: cuda, or cpu (SGLang's CPU backend: SGLANG_USE_CPU_ENGINE=1 and --device cpu;
+    # its CPU kernel package, or tools/sglang_cpu's stand-in, must be importable). No memory saver, no
+    # deterministic inference there (SGLang 0.5.23 refuses both on a CPU). URL-given engines are what they are.
+    device: Literal["cuda", "cpu"] = "cuda"
+    # KV cache of a launched engine, in tokens (--max-total-tokens). None: SGLang sizes it from mem_fraction
+    # on a GPU; on cpu (where SGLang would size it from the machine's RAM) max_concurrency x the longest
+    # sequence (data.max_prompt_length + data.max_response_length).
+    max_total_tokens: Optional[int] = None
     host: str = "127.0.0.1"  # bind address of launched servers; loopback by default
     port: int = 30000  # first port; engine i listens on port + i
     router: bool = False  # put sglang_router in front of the engines

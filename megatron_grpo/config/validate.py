@@ -10,7 +10,7 @@ import json
 from typing import Optional
 
 from megatron_grpo.config.coerce import field_types
-from megatron_grpo.config.derived import overlong_cap, sampling_replay_enabled, values_at
+from megatron_grpo.config.derived import longest_sequence, overlong_cap, sampling_replay_enabled, values_at
 from megatron_grpo.config.model_dims import ModelDims, hf_config_file, model_dims
 from megatron_grpo.config.names import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, REWARD_FUNCTIONS, check_name, unknown_name
 from megatron_grpo.config.policy_clip import clip_problems
@@ -314,10 +314,30 @@ def _sglang(c: Config, out: list[str]) -> None:
                    f"sglang-router: the router drops return_sampling_mask, so no support would come back; "
                    f"set rollout.sglang.router=false (the trainer spreads requests itself) or "
                    f"rollout.sampling_replay=off")
+    _cpu_engines(c, out)
     engines = len(s.urls) or s.num_engines
     if not 1 <= s.min_engines <= engines:
         out.append(f"rollout.sglang.min_engines={s.min_engines} must be between 1 and the number of engines "
                    f"({engines})")
+
+
+def _cpu_engines(c: Config, out: list[str]) -> None:
+    """What SGLang 0.5.23 cannot do on a CPU (measured, docs/testing.md: SGLang's runtime on a CPU)."""
+    s = c.rollout.sglang
+    if s.max_total_tokens is not None and s.max_total_tokens < longest_sequence(c):
+        out.append(f"rollout.sglang.max_total_tokens={s.max_total_tokens} is below the longest sequence "
+                   f"({longest_sequence(c)} tokens: data.max_prompt_length + data.max_response_length, or "
+                   f"rollout.multi_turn.max_length): no such sequence would fit the engine's KV cache")
+    if s.device != "cpu" or s.urls:
+        return
+    if s.deterministic_inference:
+        out.append("rollout.sglang.device=cpu with rollout.sglang.deterministic_inference=true: SGLang 0.5.23 starts "
+                   "deterministic inference only with a GPU attention backend (triton, flashinfer, fa3, ...) and "
+                   "refuses torch_native, the CPU's; set rollout.sglang.deterministic_inference=false")
+    if c.actor.moe_routing_replay:
+        out.append("rollout.sglang.device=cpu with actor.moe_routing_replay=true: SGLang 0.5.23's routed-experts "
+                   "capturer registers pinned host memory through CUDA and the engine does not start on a CPU; "
+                   "set actor.moe_routing_replay=false")
 
 
 def _algorithm(c: Config, out: list[str]) -> None:

@@ -147,7 +147,13 @@ def _collect(name: str, procs: list, result_queue, timeout: float) -> dict[int, 
                 raise DistributedChildError(f"{name}: rank {dead[0]} exited with code "
                                             f"{procs[dead[0]].exitcode} before reporting a result") from None
         if not ok:
-            raise DistributedChildError(_failure_message(name, rank, payload, result_queue))
+            message = _failure_message(name, rank, payload, result_queue)
+            # A rank that died without a word (os._exit, a signal) usually caused the others' failures
+            # (their collectives lost a peer): it is named first.
+            silent = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            deaths = "".join(f"{name}: rank {r} exited with code {code} before reporting a result\n"
+                             for r, code in silent)
+            raise DistributedChildError(deaths + message)
         results[rank] = pickle.loads(payload)
     return results
 

@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from megatron_grpo.errors import ConfigError
 from megatron_grpo.launch.lifetime import preexec_die_with_parent
@@ -64,6 +64,9 @@ class ServerSettings:
     # actor.moe_routing_replay: SGLang records each token's experts and returns them when a request
     # asks (return_routed_experts); without the flag it ignores the request field.
     enable_return_routed_experts: bool = False
+    device: str = "cuda"  # "cpu": SGLang's CPU backend (cpu_engine_environment)
+    dtype: str | None = None  # --dtype; None: SGLang's auto (float16 for an fp32 checkpoint)
+    max_total_tokens: int | None = None  # --max-total-tokens: the KV cache, in tokens
     extra_args: tuple[str, ...] = ()
     # What starts one server; its flags follow. Tests point it at the SGLang test harness.
     command: tuple[str, ...] = (sys.executable, "-m", "sglang.launch_server")
@@ -71,6 +74,37 @@ class ServerSettings:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def environment(self) -> dict[str, str]:
+        """What the server's process needs in its environment beyond ours."""
+        return cpu_engine_environment(self.tp_size) if self.device == "cpu" else {}
+
+
+# SGLang 0.5.23 on a CPU (its srt/utils/numa_utils.py, device_communicators/pynccl_wrapper.py):
+# SGLANG_USE_CPU_ENGINE=1 selects the CPU backend; an engine of several TP ranks binds each rank's
+# OpenMP threads to the cores SGLANG_CPU_OMP_THREADS_BIND gives it ("0|1": rank 0 on core 0, rank
+# 1 on core 1; unset, it wants one NUMA node per rank); and its TP all-reduce uses gloo once PyNccl
+# cannot load NCCL: a CUDA build of torch ships NCCL, which PyNccl would load and then ask for a
+# CUDA device, so SGLANG_NCCL_SO_PATH names a library that does not exist.
+NO_NCCL_LIBRARY = "/nonexistent/megatron-grpo-cpu-engine/libnccl.so"
+
+
+def cpu_engine_environment(tp_size: int, cores: Sequence[int] | None = None) -> dict[str, str]:
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_NCCL_SO_PATH": NO_NCCL_LIBRARY}
+    if tp_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = cores_per_rank(sorted(cores or os.sched_getaffinity(0)), tp_size)
+    return env
+
+
+def cores_per_rank(cores: Sequence[int], tp_size: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `tp_size` ranks sharing `cores` evenly ("0-7|8-15"); a rank
+    gets one core at least (the ranks then share cores: slower, still correct)."""
+    share = max(1, len(cores) // tp_size)
+    groups = []
+    for rank in range(tp_size):
+        mine = cores[(rank * share) % len(cores):][:share] or cores[:share]
+        groups.append(f"{mine[0]}-{mine[-1]}" if len(mine) > 1 else str(mine[0]))
+    return "|".join(groups)
 
 
 def server_command(settings: ServerSettings) -> list[str]:
@@ -89,6 +123,12 @@ def server_command(settings: ServerSettings) -> list[str]:
         cmd += ["--enable-fp32-lm-head"]
     if settings.enable_return_routed_experts:
         cmd += ["--enable-return-routed-experts"]
+    if settings.device != "cuda":
+        cmd += ["--device", settings.device]
+    if settings.dtype is not None:
+        cmd += ["--dtype", settings.dtype]
+    if settings.max_total_tokens is not None:
+        cmd += ["--max-total-tokens", str(settings.max_total_tokens)]
     return cmd + list(settings.extra_args)
 
 
@@ -120,6 +160,7 @@ class ManagedProcess:
     cmd: list[str]
     ready_path: str  # the GET route that answers 200 once it can serve
     api_key: str | None = None  # in its environment, never in cmd
+    own_env: Mapping[str, str] | None = None  # what its command needs beyond the launcher's environment
 
     def log_tail(self, chars: int = 2000) -> str:
         """The end of its log, for error messages: the key (SGLang logs its settings) shown as ***."""
@@ -146,12 +187,13 @@ class SGLangLauncher:
         atexit.register(self.shutdown)
         for index, settings in enumerate(self.servers):
             self._spawn(f"sglang-{index}-port{settings.port}", settings.url, server_command(settings),
-                        "/health_generate", settings.api_key)
+                        "/health_generate", settings.api_key, settings.environment())
         return [s.url for s in self.servers]
 
-    def _spawn(self, name: str, url: str, cmd: list[str], ready_path: str, api_key: str | None) -> ManagedProcess:
+    def _spawn(self, name: str, url: str, cmd: list[str], ready_path: str, api_key: str | None,
+               own_env: Mapping[str, str] | None = None) -> ManagedProcess:
         log_path = Path(self.log_dir) / f"{name}.log"
-        env = {**os.environ, **self.env, **({API_KEY_VARIABLE: api_key} if api_key else {})}
+        env = {**os.environ, **self.env, **(own_env or {}), **({API_KEY_VARIABLE: api_key} if api_key else {})}
         # SGLang writes its settings, the key among them, to this log: only this user may read it
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.fchmod(fd, 0o600)  # also a log left by an earlier run
@@ -162,7 +204,7 @@ class SGLangLauncher:
             # handler then stops its scheduler and detokenizer too.
             process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                        start_new_session=True, preexec_fn=preexec_die_with_parent(signal.SIGTERM))
-        managed = ManagedProcess(name, url, process, log_path, cmd, ready_path, api_key)
+        managed = ManagedProcess(name, url, process, log_path, cmd, ready_path, api_key, own_env)
         self.processes.append(managed)
         return managed
 
@@ -185,7 +227,7 @@ class SGLangLauncher:
         """Stops server `index` (if anything is left of it) and starts it again on the same port."""
         old = self.processes[index]
         _stop(old, grace_s=5.0)
-        new = self._spawn(old.name, old.url, old.cmd, old.ready_path, old.api_key)
+        new = self._spawn(old.name, old.url, old.cmd, old.ready_path, old.api_key, old.own_env)
         self.processes.remove(new)
         self.processes[index] = new
         self._wait_one(new, time.monotonic() + timeout_s, poll_s)

@@ -12,11 +12,11 @@ from megatron_grpo.rollout.engine import RolloutEngine
 
 def build_engine(cfg: Config, model_dir: Path, device: torch.device,
                  dtype: torch.dtype = torch.float32) -> RolloutEngine:
-    """The local engine serves in the trainer's dtype (bf16 on a GPU), as SGLang would."""
+    """Engines serve in the trainer's dtype (bf16 on a GPU): the local one, and SGLang servers launched here."""
     if cfg.rollout.engine == "local":  # in the trainer's process or its own (trainer/engines/local_engine.py)
         from megatron_grpo.trainer.engines.local_engine import build_local_engine
 
         return build_local_engine(cfg, model_dir, device, dtype)
     from megatron_grpo.trainer.engines.sglang_setup import build_sglang_engine
 
-    return build_sglang_engine(cfg, model_dir, Path(cfg.logging.output_dir))
+    return build_sglang_engine(cfg, model_dir, Path(cfg.logging.output_dir), dtype)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_grpo.config.derived import engine_kv_tokens, engine_memory_released
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError, MegatronGRPOError
 
@@ -26,6 +27,10 @@ log = logging.getLogger(__name__)
 # config.scoring_func in the MoE's top-k) and transformers' DeepseekV3Config does not define, so a
 # config.json written by transformers' save_pretrained lacks them and SGLang stops at load with an
 # AttributeError. The values are the only ones models/hf_config.py accepts.
+# SGLang's --dtype for the trainer's dtype: launched engines serve in it (its `auto` would serve an
+# fp32 checkpoint, such as initial_model/, in float16).
+SGLANG_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
 SGLANG_DEEPSEEK_KEYS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
 
@@ -62,7 +67,7 @@ def routed_experts_shape(cfg: Config, model) -> tuple[int, int] | None:
     return model.num_layers, model.moe_top_k
 
 
-def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
+def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path, dtype: torch.dtype = torch.float32):
     routes_shape = routed_experts_shape(cfg, check_sglang_model(model_dir))
     from megatron_grpo.rollout.sglang.client import SGLangClient
     from megatron_grpo.rollout.sglang.engine import EngineOptions, SGLangEngine
@@ -89,12 +94,14 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path):
         servers = [ServerSettings(model_path=str(model_dir), tokenizer_path=cfg.model.tokenizer_path, tp_size=s.tp_size,
                                   mem_fraction_static=s.mem_fraction,
                                   host=s.host, port=s.port + i, api_key=api_key,
-                                  enable_memory_saver=s.weight_sync == "tensor",
+                                  enable_memory_saver=engine_memory_released(cfg),
                                   # colocated: engine i on GPUs i*tp.. (rollout/sglang/colocated.py)
                                   base_gpu_id=i * s.tp_size if s.weight_sync == "tensor" else None,
                                   enable_deterministic_inference=s.deterministic_inference,
                                   enable_fp32_lm_head=cfg.model.fp32_lm_head,
                                   enable_return_routed_experts=routes_shape is not None,
+                                  device=s.device, dtype=SGLANG_DTYPES[dtype],
+                                  max_total_tokens=engine_kv_tokens(cfg),
                                   extra_args=tuple(s.extra_args), command=command)
                    for i in range(s.num_engines)]
         router = None

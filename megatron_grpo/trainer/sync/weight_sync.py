@@ -16,6 +16,7 @@ import logging
 
 import torch.distributed as dist
 
+from megatron_grpo.config.derived import engine_memory_released
 from megatron_grpo.convert.export import gather_hf_weights_on_rank0
 from megatron_grpo.errors import MegatronGRPOError, Rank0Failure, RolloutFailure
 from megatron_grpo.launch.collectives import agree, all_gather_objects, attempt_on_rank0, broadcast_from_rank0
@@ -25,10 +26,9 @@ log = logging.getLogger(__name__)
 
 
 def release_engine_for_training(run) -> None:
-    """Colocated SGLang engines (weight_sync=tensor) give the GPU to training after a rollout; the
-    next sync resumes them."""
-    cfg = run.config
-    if run.is_main and cfg.rollout.engine == "sglang" and cfg.rollout.sglang.weight_sync == "tensor":
+    """Colocated SGLang engines on GPUs (config.derived.engine_memory_released) give the GPU to training
+    after a rollout; the next sync resumes them."""
+    if run.is_main and engine_memory_released(run.config):
         run.engine.release_memory()
 
 
