@@ -56,7 +56,7 @@ def _sync_colocated(rank, world_size, urls, model_dir, shift_rank):
     from megatron_grpo.rollout.sglang.weight_sync import EngineTarget, TensorTransport
     from megatron_grpo.trainer.sync.stage_sync import connect_stage_sync
     from megatron_grpo.trainer.sync.weight_sync import sync_weights
-    from tests.sglang_harness.fixtures import engine_checksums, sglang_checksum
+    from tests.sglang_harness.fixtures import engine_checksums, sglang_checksums
 
     initialize_model_parallel(ParallelLayout(tensor=2, pipeline=2), seed=3)
     cfg = ModelArchitecture.from_hf(model_dir, tensor_parallel=2, vocab_multiple=8)
@@ -80,7 +80,10 @@ def _sync_colocated(rank, world_size, urls, model_dir, shift_rank):
     except RolloutFailure as exc:
         failure = str(exc)
     role = stage_sync.role.label
-    reference = {n: (sglang_checksum(t), sglang_checksum(t + 1)) for n, t in gather_hf_weights_on_rank0(chunks, cfg)}
+    tensors = dict(gather_hf_weights_on_rank0(chunks, cfg))
+    # what each engine rank holds of them (SGLang's fused TP shards), plain and + 1
+    reference = (sglang_checksums(model_dir, tensors, 2), sglang_checksums(model_dir, {n: t + 1 for n, t in
+                                                                                       tensors.items()}, 2))
     stage_sync.close()
     roles = [None] * world_size
     dist.all_gather_object(roles, role)
@@ -116,9 +119,9 @@ def test_each_engine_rank_is_fed_by_the_trainer_rank_on_its_gpu(tp2_engines):
     assert out["failure"] is None, out["failure"]
     assert out["roles"] == [f"engine {e} rank {j} ({urls[e]})" for e in (0, 1) for j in (0, 1)]
     assert out["metrics"]["sync/verified"] == 1.0 and out["metrics"]["sync/stages"] == 4.0  # every rank fed
-    want = {name: plain for name, (plain, _) in out["reference"].items()}
+    plain, _ = out["reference"]
     for engine in out["engines"]:
-        assert engine == [want, want]  # both TP ranks of both engines: bitwise the rank-0 route's tensors
+        assert engine == plain  # both TP ranks of both engines: bitwise the rank-0 route's tensors
 
 
 @pytest.mark.slow
@@ -130,7 +133,6 @@ def test_a_wrong_feeder_shows_in_its_engine_rank_and_fails_the_sync(tp2_engines)
     policy, urls = tp2_engines
     out = run_distributed(_sync_colocated, 4, (urls, str(policy), 3), timeout=300)[0]
     assert out["failure"] is not None and urls[1] in out["failure"] and "disagree" in out["failure"]
-    plain = {name: p for name, (p, _) in out["reference"].items()}
-    shifted = {name: s for name, (_, s) in out["reference"].items()}
-    assert out["engines"][0] == [plain, plain]
-    assert out["engines"][1] == [plain, shifted]
+    plain, shifted = out["reference"]
+    assert out["engines"][0] == plain
+    assert out["engines"][1] == [plain[0], shifted[1]]

@@ -244,7 +244,8 @@ def test_greedy_lookup_trajectories_equal_the_local_engines(tmp_path, recipe_mod
 def test_asynchronous_multi_turn_on_sglang_trains(tmp_path, recipe_model, server):
     """rollout.max_staleness=1 with the lookup environment on SGLang's own server code: the next
     step's episodes are generated while a step trains, a turn a weight update aborts is resubmitted
-    (matched back by position: tests/test_sglang.py::test_async_generate_resubmits_groups_a_weight_update_aborted),
+    (matched back by position:
+    tests/test_sglang_runtime.py::test_async_generate_resubmits_groups_a_weight_update_aborted),
     and every step trains on episodes at most one weight version old."""
     url, log = server
     before = served_turns(log)

@@ -35,7 +35,7 @@ def _sync_into_sglang(rank, world_size, url, model_dir, break_stage):
     from megatron_grpo.launch.collectives import all_gather_objects as all_gather
     from megatron_grpo.trainer.sync.stage_sync import StageSync
     from megatron_grpo.trainer.sync.weight_sync import sync_weights
-    from tests.sglang_harness.fixtures import sglang_checksum
+    from tests.sglang_harness.fixtures import sglang_checksum, sglang_checksums
 
     initialize_model_parallel(ParallelLayout(tensor=1, pipeline=2), seed=3)
     cfg = ModelArchitecture.from_hf(model_dir, tensor_parallel=1, vocab_multiple=8)
@@ -64,7 +64,9 @@ def _sync_into_sglang(rank, world_size, url, model_dir, break_stage):
     except RolloutFailure as exc:
         failure = str(exc)
     roles = all_gather((dist.get_rank(), role))
-    reference = {n: sglang_checksum(t) for n, t in gather_hf_weights_on_rank0(chunks, cfg)}  # the rank-0 route
+    tensors = dict(gather_hf_weights_on_rank0(chunks, cfg))  # the rank-0 route
+    reference = {n: sglang_checksum(t) for n, t in tensors.items()}
+    held = sglang_checksums(model_dir, tensors)[0]  # what the engine holds of them (SGLang's fused parameters)
     stage_sync.close()
     if rank != 0:
         return {"failure": failure}
@@ -72,7 +74,8 @@ def _sync_into_sglang(rank, world_size, url, model_dir, break_stage):
     version = request_json(url, "/model_info", method="GET")["weight_version"]
     serves = engine.health()
     engine.close()
-    return {"failure": failure, "metrics": metrics, "roles": roles, "reference": reference, "checksums": checksums,
+    return {"failure": failure, "metrics": metrics, "roles": roles, "reference": reference, "held": held,
+            "checksums": checksums,
             "version": version, "engine_version": engine.weight_version, "healthy": bool(serves),
             "health": serves.detail}
 
@@ -121,7 +124,7 @@ def test_each_stage_pushes_its_layers_into_sglang(server, policy_dirs):
     assert result["metrics"]["sync/verified"] == 1.0 and result["metrics"]["sync/verified_tensors"] == 0
     reference, engine = result["reference"], result["checksums"]
     assert reference == {n: c for n, c in _hf_checksums(policy_dirs[0]).items() if n in reference}
-    assert {n: engine.get(n) for n in reference} == reference  # bitwise, every tensor of both stages
+    assert engine == result["held"]  # bitwise, every tensor of both stages
     assert result["version"] == "5"
 
 
@@ -193,7 +196,7 @@ def _sync_two_engines_per_stage(rank, world_size, urls, hop_urls, model_dir):
     from megatron_grpo.rollout.sglang.weight_sync import DistributedTransport, EngineTarget
     from megatron_grpo.trainer.sync.stage_sync import connect_stage_sync
     from megatron_grpo.trainer.sync.weight_sync import sync_weights
-    from tests.sglang_harness.fixtures import engine_checksums, sglang_checksum
+    from tests.sglang_harness.fixtures import engine_checksums, sglang_checksums
 
     initialize_model_parallel(ParallelLayout(tensor=1, pipeline=2), seed=3)
     cfg = ModelArchitecture.from_hf(model_dir, tensor_parallel=1, vocab_multiple=8)
@@ -214,7 +217,7 @@ def _sync_two_engines_per_stage(rank, world_size, urls, hop_urls, model_dir):
     stage_sync = connect_stage_sync(recipe, type("Rank0", (), {"engine": engine}) if rank == 0 else None)
     run = type("Run", (), {"stage_sync": stage_sync, "engine": engine, "policy": chunks, "model_config": cfg})
     metrics = sync_weights(run, version=6, attempts=1)
-    reference = {n: sglang_checksum(t) for n, t in gather_hf_weights_on_rank0(chunks, cfg)}
+    reference = sglang_checksums(model_dir, gather_hf_weights_on_rank0(chunks, cfg))[0]  # as the engines hold it
     stage_sync.close()
     if rank != 0:
         return None
@@ -236,4 +239,4 @@ def test_two_engines_get_the_stages_requests_in_opposite_orders(servers, policy_
     assert result["metrics"]["sync/stages"] == 2
     reference = result["reference"]
     for engine in result["engines"]:
-        assert {n: engine.get(n) for n in reference} == reference
+        assert engine == reference

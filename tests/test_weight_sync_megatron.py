@@ -84,9 +84,10 @@ def _sync_and_score(rank, world_size, hf_dir, other_dir, urls=(), sync_dir=None)
         logits = engine.model(torch.tensor([prompt + response])).logits[0].float()
     logp = torch.log_softmax(logits / 0.7, dim=-1)
     engine_values = [logp[len(prompt) - 1 + j, token].item() for j, token in enumerate(response)]
-    from tests.sglang_harness.fixtures import sglang_checksum
+    from tests.sglang_harness.fixtures import sglang_checksums
 
-    server_mismatched = [[name for name, tensor in expected.items() if digests.get(name) != sglang_checksum(tensor)]
+    held = sglang_checksums(hf_dir, expected)[0]  # the engines' parameters: SGLang's fused ones
+    server_mismatched = [[name for name, checksum in held.items() if digests.get(name) != checksum]
                          for digests in server_digests]
     return {"mismatched": mismatched, "count": len(expected), "version": engine.weight_version,
             "trainer": trainer_values, "engine": engine_values, "server_mismatched": server_mismatched}

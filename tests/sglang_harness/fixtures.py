@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -124,18 +124,49 @@ def sglang_checksum(tensor: torch.Tensor) -> str:
 
 
 def engine_checksums(url: str) -> list[dict[str, str]]:
-    """SGLang's /weights_checker checksums of every parameter, one dict per engine TP rank (the
-    harness keeps full HF-named copies on each rank, so they compare with sglang_checksum)."""
+    """SGLang's /weights_checker checksums of every parameter, one dict per engine TP rank, under the
+    names and TP shards the engine holds (SGLang's fused ones for its dense models: sglang_checksums)."""
     from megatron_grpo.rollout.sglang.http_json import request_json
 
     answer = request_json(url, "/weights_checker", {"action": "checksum"})
     return [rank["checksums"] for rank in answer["ranks"]]
 
 
-def harness_checksums(model_dir: str | Path, hf_tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """What a harness engine serving model_dir reports by /weights_checker for its parameters once
-    it loaded `hf_tensors` (the names it keeps: HF parameters, fused MoE experts). Every tensor must
-    be one the model knows (the engine would skip it silently)."""
+def sglang_checksums(config: str | Path | object, hf_tensors: Mapping[str, torch.Tensor] | Iterable,
+                     tp_size: int = 1) -> list[dict[str, str]]:
+    """What a float32 SGLang engine (real or harness) serving a model of this HF config (a folder,
+    config.json or PretrainedConfig) reports by /weights_checker for the parameters it holds from
+    `hf_tensors` (HF names), one dict per TP rank. For SGLang's dense Qwen2 / Qwen3 / Llama, in its
+    fused, sharded, vocab-padded layout, as the trainer predicts it (rollout/sglang/expected_checksums.py:
+    the harness computes that layout on its own, tests/sglang_harness/model.py SGLangLayout, and
+    tests/test_sglang_real_vs_harness.py holds both to a real engine); other architectures under
+    their HF names (the harness does not model SGLang's layout for them)."""
+    from megatron_grpo.models.hf_config import ModelArchitecture
+    from megatron_grpo.rollout.sglang.expected_checksums import (FUSED_DENSE, ChecksumPrediction, EngineLayout,
+                                                                 ModelLayout)
+    from tests.sglang_harness.model import DENSE_FUSED_CLASSES
+
+    tensors = dict(hf_tensors)
+    architecture = ModelArchitecture.from_hf(config)
+    # SGLang's class: the config's first architecture (a config built in memory may name none)
+    served = (architecture.hf_config.get("architectures") or [FUSED_DENSE.get(architecture.architecture)])[0]
+    if served not in DENSE_FUSED_CLASSES:
+        return [{name: sglang_checksum(tensor) for name, tensor in tensors.items()} for _ in range(tp_size)]
+    model = ModelLayout.of(architecture)
+    layout = EngineLayout.of({"tp_size": tp_size, "dtype": "float32", "device": "cpu"})  # as its /server_info says
+    assert not isinstance(model, str) and not isinstance(layout, str), (model, layout)
+    prediction = ChecksumPrediction(model, (layout,))
+    for name, tensor in tensors.items():
+        prediction.add(name, tensor.float())
+    assert not prediction.pending, f"fused parameters with parts missing: {sorted(prediction.pending)}"
+    return prediction.expected(layout)
+
+
+def harness_checksums(model_dir: str | Path, hf_tensors: Mapping[str, torch.Tensor],
+                      tp_size: int = 1) -> list[dict[str, str]]:
+    """What a harness engine serving model_dir reports by /weights_checker, per TP rank, for all its
+    parameters once it loaded `hf_tensors` (sglang_checksums' names). Every tensor must be one the
+    model knows (the engine would skip it silently)."""
     from transformers import AutoModelForCausalLM
 
     from tests.sglang_harness.model import resolve_param
@@ -148,7 +179,7 @@ def harness_checksums(model_dir: str | Path, hf_tensors: Mapping[str, torch.Tens
             assert target is not None, f"{name}: no such parameter in {model_dir}'s model"
             assert target.shape == tensor.shape, (name, tuple(target.shape), tuple(tensor.shape))
             target.copy_(tensor)
-    return {name: sglang_checksum(tensor) for name, tensor in model.named_parameters()}
+    return sglang_checksums(model_dir, model.named_parameters(), tp_size)
 
 
 def engine_parameter_checksums(url: str, names) -> list[dict[str, str]]:

@@ -36,7 +36,10 @@ What runs here is SGLang's code too, except the loop and the forward pass:
   `/get_weights_by_name` are SGLang's `SchedulerWeightUpdaterManager`, `WeightUpdater`,
   `WeightChecker` and `WeightExporter`, including `init_custom_process_group` + broadcast receive
   and `MultiprocessingSerializer` (SafeUnpickler); `/get_weights_by_name` answers only where SGLang's
-  model class for the checkpoint's architecture has the method (model.py);
+  model class for the checkpoint's architecture has the method, and `/weights_checker` hashes what
+  SGLang's dense models hold on each TP rank (fused q/k/v and gate/up, shards, padded vocabulary:
+  model.py SGLangLayout);
+- a request with max_new_tokens=0 samples nothing, as in SGLang (_finish_prefill_only);
 - process groups come from SGLang's own `init_parallel_runtime(device="cpu")` (gloo); with
   `--tp-size N` the N ranks each hold a full copy of the model, rank 0 generates, and every rank
   runs every control request (SGLang broadcasts them the same way), so per-rank payloads and
@@ -130,7 +133,7 @@ class CpuModelRunner:
         from sglang.srt.utils.weight_checker import WeightChecker
 
         from tests.sglang_harness.classification import ClassificationModel
-        from tests.sglang_harness.model import load_causal_lm, sglang_model_class
+        from tests.sglang_harness.model import DENSE_FUSED_CLASSES, SGLangLayout, load_causal_lm, sglang_model_class
 
         self.model_config = model_config
         self.classifier = None
@@ -148,7 +151,13 @@ class CpuModelRunner:
             tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=model_config, custom_weight_loaders={},
             get_model=lambda: self.model, update_model_fields=self._update_model_fields,
             recapture_cuda_graph=lambda: None, get_model_runner=lambda: self)
-        self._weight_checker = WeightChecker(get_model=lambda: self.model)
+        # /weights_checker sees SGLang's fused, TP-sharded parameters for its dense models (model.py
+        # SGLangLayout); its reset_tensors writes into the HF model itself
+        self._raw_checker = WeightChecker(get_model=lambda: self.model)
+        self._weight_checker = self._raw_checker
+        if model_config.is_generation and sglang_model_class(model_config).__name__ in DENSE_FUSED_CLASSES:
+            self._weight_checker = WeightChecker(get_model=lambda: SGLangLayout(
+                self.model, model_config.hf_config, tp_rank, server_args.tp_size))
         self.weight_exporter = WeightExporter(tp_rank=tp_rank, tp_size=self.tp_size, gpu_id=0,
                                               get_model_path=lambda: server_args.model_path,
                                               get_model=lambda: self.model)
@@ -157,8 +166,9 @@ class CpuModelRunner:
         self.model = model
 
     def check_weights(self, action: str, allow_quant_error: bool = False, skip_tensor_list=None, *, role: str):
-        return self._weight_checker.handle(action=action, allow_quant_error=allow_quant_error,
-                                           skip_tensor_list=skip_tensor_list, role=role)
+        checker = self._raw_checker if action == "reset_tensors" else self._weight_checker
+        return checker.handle(action=action, allow_quant_error=allow_quant_error, skip_tensor_list=skip_tensor_list,
+                              role=role)
 
 
 class CpuTpWorker:
@@ -412,6 +422,9 @@ class CpuScheduler:
             token, logprob, logits_output, logprobs = self._instant_token(req)
         else:
             token, logprob, logits_output, logprobs = self._forward_and_sample(item, locations)
+        if prefill and req.is_prefill_only:
+            self._finish_prefill_only(req)
+            return
         # SGLang's SchedulerBatchResultProcessor.process_batch_result_decode (and _prefill) for one row:
         # an unusable sampling mask finishes the request without committing the sampled token.
         if req.return_sampling_mask:
@@ -437,6 +450,23 @@ class CpuScheduler:
             self.add_sampling_mask_return_values(0, req, logits_output)
         if req.finished():
             self._finished_routes(req, collect=True)
+
+    def _finish_prefill_only(self, req) -> None:
+        """A request with max_new_tokens=0 (SGLang's Req.is_prefill_only; also the prefix warm-up
+        SGLang's TokenizerManager sends before an n > 1 request), alone in its batch as here: SGLang's
+        TpModelWorker samples nothing for such a batch (dummy token 0), so there is no sampling mask
+        (a request that asked for one is aborted, HTTP 500 "The sampling backend did not return
+        captured sampling support.", and so is the n > 1 request behind such a warm-up), and its
+        logprob processor adds no output log-prob. (Batched with generating requests, SGLang would
+        sample it with them: never here, the harsher answer.)"""
+        if req.return_sampling_mask:
+            req.to_finish = self.get_sampling_mask_finish_reason(status=None)
+            req.update_finish_state(0)
+            self._finished_routes(req, collect=False)
+            return
+        req.output_ids.append(0)  # process_batch_result_prefill commits the dummy token; the stop rules cut it
+        req.update_finish_state(1)
+        self._finished_routes(req, collect=True)
 
     def _finished_routes(self, req, collect: bool) -> None:
         """A finished request: SGLang's _maybe_collect_routed_experts (if it ran a forward), then its

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -127,8 +127,8 @@ class ColocatedSink:
         if not self.active:
             return SyncStats()  # the caller drains the export
 
-        def post(serialized: str, load_format: str | None) -> None:
-            payloads, error = self._gather(serialized), None
+        def post(serialized: Callable[[], str], load_format: str | None) -> None:
+            payloads, error = self._gather(serialized()), None
             if self.posts:
                 try:
                     answer = self.client.call(self.target.url, "/update_weights_from_tensor", tensor_update_request(

@@ -14,7 +14,7 @@ from megatron_grpo.rollout.sglang.errors import SGLangError
 from megatron_grpo.rollout.sglang.http_json import RetryPolicy
 from megatron_grpo.rollout.sglang.pool import EnginePool, EngineSlot, HealthProber
 from megatron_grpo.rollout.sglang.protocol import parse_weight_version
-from megatron_grpo.rollout.sglang.verify import WeightSample, verify_engines
+from megatron_grpo.rollout.sglang.verify import ChecksumPlan, WeightSample, verify_engines
 from megatron_grpo.rollout.sglang.update_session import UpdateSession
 from megatron_grpo.rollout.sglang.weight_sync import (DistributedTransport, SyncStats, TensorTransport, WeightTransport,
                                                       update_weights)
@@ -42,6 +42,9 @@ class EngineOptions:
     # whole from the new weights (the partial work is lost). False returns them as 'abort' samples.
     resubmit_aborted: bool = False
     max_resubmits: int = 8  # per generate call: a group aborted this often is returned as aborted
+    # The served model (models.hf_config.ModelArchitecture): verification predicts from it what SGLang's
+    # /weights_checker must report (verify.py ChecksumPlan); None: the engines are compared with each other.
+    model: object = None
 
 
 def _when_whole(on_request_done: RequestDone | None, indices: Sequence[int]) -> RequestDone | None:
@@ -85,6 +88,7 @@ class SGLangEngine(RolloutEngine, ColocatedWeightUpdates):
         self._session: UpdateSession | None = None  # the open update of the staged protocol
         self._stopping = False  # abort() was called during the current generate
         self.resubmitted_groups = 0  # groups resubmitted after a weight update aborted them (resubmit_aborted)
+        self.checks = ChecksumPlan(client, options.model)
 
     @property
     def weight_version(self) -> int:
@@ -149,7 +153,7 @@ class SGLangEngine(RolloutEngine, ColocatedWeightUpdates):
             if "weights" in self._released:
                 self._resume(["weights"])
             verify = self._verification_due()
-            sample = WeightSample(tp_size=max(t.tp_size for t in alive)) if verify else None
+            sample = self.checks.sample(alive) if verify else None
             stream = sample.tap(named_tensors) if sample else named_tensors
             try:
                 self.last_sync = update_weights(self.client, self.transport, stream, version)
@@ -164,7 +168,7 @@ class SGLangEngine(RolloutEngine, ColocatedWeightUpdates):
                                       "sync/gb": self.last_sync.num_bytes / 1e9,
                                       "sync/engine_restarts": float(self.pool.restarts)}
             if sample is not None:
-                self.last_sync_metrics.update(verify_engines(self.client, alive, sample).metrics())
+                self.last_sync_metrics.update(verify_engines(self.client, alive, sample, self.checks).metrics())
 
     def sync_metrics(self) -> dict[str, float]:
         return dict(self.last_sync_metrics)
@@ -230,10 +234,10 @@ class SGLangEngine(RolloutEngine, ColocatedWeightUpdates):
             raise
         self._stage_started = time.perf_counter()
         verify = self._verification_due()
-        return WeightSample(tp_size=max(t.tp_size for t in self._stage_targets)) if verify else None
+        return self.checks.sample(self._stage_targets) if verify else None
 
     def end_stage_update(self, version: int, results: list) -> None:
-        """results: every sender's (stage, SyncStats, sampled tensors or None) of a successful push."""
+        """results: every sender's (stage, SyncStats, its filled WeightSample or None) of a successful push."""
         alive = list(self._stage_targets)
         session, self._session = self._session, None
         try:
@@ -256,12 +260,12 @@ class SGLangEngine(RolloutEngine, ColocatedWeightUpdates):
                                       "sync/gb": self.last_sync.num_bytes / 1e9,
                                       "sync/stages": float(len(results)),
                                       "sync/engine_restarts": float(self.pool.restarts)}
-            samples = [tensors for _, _, tensors in results if tensors is not None]
+            samples = [sample for _, _, sample in results if sample is not None]
             if samples:
-                sample = WeightSample(tp_size=max(t.tp_size for t in alive))
-                for tensors in samples:
-                    sample.tensors.update(tensors)
-                self.last_sync_metrics.update(verify_engines(self.client, alive, sample).metrics())
+                sample = samples[0]
+                for other in samples[1:]:
+                    sample.merge(other)
+                self.last_sync_metrics.update(verify_engines(self.client, alive, sample, self.checks).metrics())
         finally:
             self.prober.resume()
 

@@ -56,17 +56,20 @@ def generate_payloads(request: GenerationRequest) -> list[tuple[int, dict[str, A
     Unseeded: one request with `n` (SGLang fans it out and shares the prompt's prefix cache).
     Seeded: one n=1 request per sample with its derived seed, because SGLang gives all n samples
     of one request the same `sampling_seed` (identical samples), and sglang-router refuses the
-    batched alternative (a list of sampling_params: 422)."""
+    batched alternative (a list of sampling_params: 422). With a sampling mask: one n=1 request per
+    sample too, because SGLang 0.5.23 first sends an n>1 request's prompt alone (max_new_tokens=0,
+    to cache its prefix), that warm-up samples nothing, so no mask, and the request fails with HTTP
+    500 "The sampling backend did not return captured sampling support"."""
     params = request.sampling
     base = {"input_ids": list(request.prompt_ids), "return_logprob": True, "logprob_start_len": -1}
     if wants_sampling_mask(request):
         base.update(return_sampling_mask=True, sampling_logprobs_mode="selected")
     if request.routed_experts_shape is not None:
         base["return_routed_experts"] = True
-    if params.seed is None:
+    if params.seed is None and not base.get("return_sampling_mask"):
         return [(0, {**base, "sampling_params": sampling_params_payload(params, params.n, None)})]
-    return [(j, {**base, "sampling_params": sampling_params_payload(params, 1, derive_sample_seed(params.seed, j))})
-            for j in range(params.n)]
+    return [(j, {**base, "sampling_params": sampling_params_payload(
+        params, 1, None if params.seed is None else derive_sample_seed(params.seed, j))}) for j in range(params.n)]
 
 
 def wants_sampling_mask(request: GenerationRequest) -> bool:

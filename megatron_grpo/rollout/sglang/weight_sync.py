@@ -17,6 +17,7 @@ pause, begin, push, end, flush, continue); every request carries the weight_vers
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 import shutil
 import threading
@@ -240,10 +241,10 @@ class TensorTransport(WeightTransport):
         self.timeout_s = timeout_s
 
     def push(self, named_tensors: NamedTensors, version: int) -> SyncStats:
-        def post(serialized: str, load_format: str | None) -> None:
-            for target in self.targets:
+        def post(serialized: Callable[[], str], load_format: str | None) -> None:
+            for target in self.targets:  # one pickling per receiving TP rank (push_tensor_buckets)
                 answer = self.client.call(target.url, "/update_weights_from_tensor", tensor_update_request(
-                    [serialized] * target.tp_size, load_format, version), timeout_s=self.timeout_s)
+                    [serialized() for _ in range(target.tp_size)], load_format, version), timeout_s=self.timeout_s)
                 check_answer(target.url, "/update_weights_from_tensor", answer)
 
         return push_tensor_buckets(named_tensors, self.bucket_bytes, self.flattened, post)
@@ -257,14 +258,18 @@ def tensor_update_request(payloads: list[str], load_format: str | None, version:
 
 
 def push_tensor_buckets(named_tensors: NamedTensors, bucket_bytes: int, flattened: bool | None,
-                        post: Callable[[str, str | None], None]) -> SyncStats:
-    """The tensor route's loop: per bucket, its payload serialized once and `post(serialized,
-    load_format)`; the bucket's tensors stay alive until `post` returns (the server maps them)."""
+                        post: Callable[[Callable[[], str], str | None], None]) -> SyncStats:
+    """The tensor route's loop: per bucket `post(serialized, load_format)`, where each call of
+    `serialized()` pickles the payload afresh for ONE receiving process: torch counts the receivers
+    of CPU shared memory per pickling ("file_system": a pickling adds a reference that one
+    unpickling takes back), so one pickle read by a third process found the memory unlinked. SGLang's
+    own Engine API pickles once per TP rank too, on GPUs as well. The bucket's tensors stay alive
+    until `post` returns (the server maps them)."""
     stats = SyncStats()
     start = time.perf_counter()
     for bucket in iter_buckets(named_tensors, bucket_bytes):
         payload = tensor_payload(bucket, flattened)
-        post(serialize(payload.obj), payload.load_format)
+        post(functools.partial(serialize, payload.obj), payload.load_format)
         del payload
         stats.num_tensors += len(bucket)
         stats.num_bytes += sum(tensor_bytes(t) for _, t in bucket)

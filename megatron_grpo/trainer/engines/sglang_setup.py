@@ -68,7 +68,8 @@ def routed_experts_shape(cfg: Config, model) -> tuple[int, int] | None:
 
 
 def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path, dtype: torch.dtype = torch.float32):
-    routes_shape = routed_experts_shape(cfg, check_sglang_model(model_dir))
+    model = check_sglang_model(model_dir)
+    routes_shape = routed_experts_shape(cfg, model)
     from megatron_grpo.rollout.sglang.client import SGLangClient
     from megatron_grpo.rollout.sglang.engine import EngineOptions, SGLangEngine
     from megatron_grpo.rollout.sglang.http_json import RetryPolicy
@@ -144,7 +145,7 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path, dtype: t
             send_seeds=s.deterministic_inference, verify_interval=s.verify_interval,
             health_check_interval_s=s.health_check_interval_s, health_check_timeout_s=s.health_check_timeout_s,
             min_engines=s.min_engines, resubmit_aborted=cfg.rollout.max_staleness > 0,
-            routed_experts_shape=routes_shape), launcher=launcher)
+            routed_experts_shape=routes_shape, model=model), launcher=launcher)
         health = engine.health()
         if not health:
             raise MegatronGRPOError(f"SGLang engines are not healthy at start: {health.detail}")

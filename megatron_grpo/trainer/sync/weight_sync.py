@@ -124,7 +124,7 @@ def _push_stage(run, role, sink, sample, version: int):
     if sink is not None:
         try:
             stats = sink.push(sample.tap(stream) if sample is not None else stream, version)
-            outcome = (role.stage, stats, sample.tensors if sample is not None else None)
+            outcome = (role.stage, stats, sample)  # the sample this sender filled (or None)
         except MegatronGRPOError as exc:
             outcome = f"{role.label}: {exc}"
         except Exception as exc:  # noqa: BLE001 - every rank stops (in _one_stage_sync)

@@ -1,18 +1,20 @@
 """A stand-in for SGLang's CPU kernel package (`sgl_kernel`, built from sgl-kernel's csrc/cpu), which
-is not on the package index: only the two helpers SGLang 0.5.23's CPU serving path calls, in torch.
+is not on the package index: only the two helpers SGLang 0.5.23's CPU code can call, in torch.
 
-With SGLANG_USE_CPU_ENGINE=1, SGLang imports these at module load and calls them on every batch:
+With SGLANG_USE_CPU_ENGINE=1, SGLang imports these at module load; it calls them only on its
+speculative-decoding paths (a plain engine calls neither: docs/testing.md, "SGLang's runtime on a CPU"):
   * copy_all_layer_kv_cache_cpu (sglang/kernels/ops/kvcache/cache_move.py): copies whole KV rows
     from source slots to target slots in every layer's buffer; its GPU twin is the Triton kernel
     `copy_all_layer_kv_cache_tiled` beside it;
   * assign_req_to_token_pool_cpu (sglang/srt/mem_cache/allocation.py): writes the KV slots of each
     request's new tokens into the request-to-token table; its GPU twin is the Triton kernel
     `assign_req_to_token_pool` beside it.
-tests/test_sglang_cpu_kernels.py holds each to its Triton twin (run by Triton's CPU interpreter) on
-random inputs. Every other name SGLang imports from here (speculative decoding, mamba layers, the AMX
-paths) is a function that raises, naming itself, when called: a feature that needs a real kernel
-fails loudly instead of computing something else. SGLang's `torch.ops.sgl_kernel.*` operators are
-not registered, so its AMX path stays off ("will fallback to torch_native backend" in its log).
+tests/test_sglang_cpu_kernels.py holds each, called by SGLang's own dispatcher, to its Triton twin
+(run by Triton's CPU interpreter) on random inputs. Every other name SGLang imports from here
+(speculative decoding, mamba layers, the AMX paths) is a function that raises, naming itself, when
+called: a feature that needs a real kernel fails loudly instead of computing something else.
+SGLang's `torch.ops.sgl_kernel.*` operators are not registered, so its AMX path stays off ("will
+fallback to torch_native backend" in its log).
 """
 from __future__ import annotations
 
