@@ -50,7 +50,7 @@ from megatron_grpo.testing.distributed import free_port
 from tests.sglang_harness.fixtures import LONG_CONTEXT, save_long_context_model
 from tests.sglang_runtime_fixtures import (launch_real_servers, real_router_settings, real_server_settings,
                                            runtime_env, runtime_python, sglang_fused_checksums)
-from tests.tiny_hf import EOS_ID, PAD_ID, VOCAB_SIZE, char_tokenizer, float64_logprobs, tiny_model
+from tests.tiny_hf import EOS_ID, char_tokenizer, float64_logprobs, save_peaky_llama, tiny_model
 
 pytestmark = [pytest.mark.sglang_runtime]
 KEY = "runtime-test-key"
@@ -541,22 +541,8 @@ def test_an_engine_killed_mid_rollout_is_routed_around_and_taken_out(cluster):
 def llama(tmp_path_factory):
     """A tiny Llama (SGLang's LlamaForCausalLM has get_weights_by_name) with the character tokenizer;
     weights large enough that top-p cuts the distributions at different sizes."""
-    from transformers import AutoModelForCausalLM
-
-    from megatron_grpo.models.tiny import tiny_hf_config
-
     folder = tmp_path_factory.mktemp("llama")
-    torch.manual_seed(0)
-    config = tiny_hf_config("llama", vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-                            bos_token_id=None, num_hidden_layers=2)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(1.0 + 0.1 * torch.randn_like(param) if name.endswith("norm.weight")
-                        else 0.4 * torch.randn_like(param))
-    model.save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return folder, model.eval()
+    return folder, save_peaky_llama(folder)
 
 
 @pytest.fixture(scope="module")

@@ -68,6 +68,7 @@ def test_disk_sync_default_task_every_sync_checked_against_the_trainer(tmp_path)
     records, log = _train_cli(tmp_path, "rollout.sglang.weight_sync=disk", f"trainer.total_steps={steps}")
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert log.count('"POST /update_weights_from_disk HTTP/1.1" 200') == steps  # one reload per step
+    assert "Prefill batch" in log  # the engine's log, kept under the run folder, is SGLang's scheduler's
     model = _recipe_model()
     per_sync = _fused_parameters(model["num_hidden_layers"], model["tie_word_embeddings"])
     for r in records:

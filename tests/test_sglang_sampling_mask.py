@@ -10,7 +10,6 @@ from __future__ import annotations
 
 
 import pytest
-import torch
 
 from megatron_grpo.rollout.sglang import client as client_module
 from megatron_grpo.rollout.sglang.client import SGLangClient
@@ -19,7 +18,7 @@ from megatron_grpo.rollout.sglang.http_json import RetryPolicy
 from megatron_grpo.rollout.sglang.protocol import generate_payloads, parse_generate_response
 from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
 from tests.sglang_harness.fixtures import launch_servers, server_settings, sglang_python
-from tests.tiny_hf import EOS_ID, PAD_ID, VOCAB_SIZE, char_tokenizer
+from tests.tiny_hf import save_peaky_llama
 
 MASK_CAP = 30  # the server's --sampling-mask-max-tokens
 FAST_RETRY = RetryPolicy(max_attempts=3, backoff_s=0.05)
@@ -97,22 +96,8 @@ def test_parse_reads_and_checks_the_mask_fields():
 def llama(tmp_path_factory):
     """A tiny Llama (SGLang's LlamaForCausalLM has get_weights_by_name) with the character tokenizer;
     weights large enough that top-p cuts the distributions at different sizes."""
-    from transformers import AutoModelForCausalLM
-
-    from megatron_grpo.models.tiny import tiny_hf_config
-
     folder = tmp_path_factory.mktemp("llama")
-    torch.manual_seed(0)
-    config = tiny_hf_config("llama", vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-                            bos_token_id=None, num_hidden_layers=2)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(1.0 + 0.1 * torch.randn_like(param) if name.endswith("norm.weight")
-                        else 0.4 * torch.randn_like(param))
-    model.save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return folder, model.eval()
+    return folder, save_peaky_llama(folder)
 
 
 @pytest.fixture(scope="module")

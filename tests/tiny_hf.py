@@ -70,3 +70,24 @@ def float64_logprobs(model, prompt_ids, response_ids, temperature: float = 1.0) 
         logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].double()
     logprobs = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
     return logprobs.gather(1, torch.tensor(list(response_ids))[:, None]).squeeze(1)
+
+
+def save_peaky_llama(folder: str | Path):
+    """A tiny Llama (SGLang's LlamaForCausalLM has get_weights_by_name) with the character tokenizer,
+    its weights large enough that top-p cuts the distributions at different sizes; returns the
+    model (fp32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_grpo.models.tiny import tiny_hf_config
+
+    torch.manual_seed(0)
+    config = tiny_hf_config("llama", vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                            bos_token_id=None, num_hidden_layers=2)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1.0 + 0.1 * torch.randn_like(param) if name.endswith("norm.weight")
+                        else 0.4 * torch.randn_like(param))
+    model.save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return model.eval()
