@@ -126,6 +126,16 @@ def test_restarts_rows_and_the_stop_at_a_repeating_step(tmp_path):
     hang = restarts.classify(143, ["srun: error: node1: task 1: Exited with exit code 3"],
                              {"stuck_ranks": [3], "summary": "hang: stuck: rank 3 ..."})
     assert (hang.reason, hang.rank) == ("hang", "3")
+    # srun printed the rank it terminated (143) before the one that reported the hang (CI, 2026-12-07)
+    hang_after_143 = restarts.classify(143, ["srun: error: node1: task 2: Exited with exit code 143",
+                                             "srun: error: node1: task 0: Exited with exit code 3"],
+                                       {"stuck_ranks": [1], "summary": "hang: silent: rank 1 ..."})
+    assert (hang_after_143.reason, hang_after_143.rank) == ("hang", "1")
+    only_143 = restarts.classify(143, ["srun: error: node1: task 2: Exited with exit code 143"],
+                                 {"stuck_ranks": [1], "summary": "hang: silent: rank 1 ..."})
+    assert (only_143.reason, only_143.rank) == ("hang", "1")
+    terminated = restarts.classify(143, ["srun: error: node1: tasks 0-3: Exited with exit code 143"], None)
+    assert (terminated.reason, terminated.rank) == ("death", "0-3")
     died = restarts.classify(1, ["srun: error: node2: task 3: Exited with exit code 1"], None)
     assert (died.reason, died.rank) == ("death", "3")
 

@@ -34,6 +34,13 @@ RESTARTS_FILE = "restarts.jsonl"
 # srun: error: node1: task 2: Killed  /  srun: error: node1: tasks 0-1,3: Exited with exit code 1
 _SRUN_TASK = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+)$")
 _EXITED = re.compile(r"Exited with exit code (\d+)")
+_TERMINATED_BY_SRUN = 128 + 15  # a task's shell after SIGTERM
+
+
+def _exit_code(what: str) -> int | None:
+    """The code of srun's "Exited with exit code N"; None for a task ended by a signal."""
+    code = _EXITED.search(what)
+    return None if code is None else int(code[1])
 
 
 @dataclass(frozen=True)
@@ -48,16 +55,18 @@ def classify(exit_code: int, srun_lines: list[str], hang: dict | None) -> Failur
     """The first task srun reports failing is the one that failed first: the others are killed
     after it (--kill-on-bad-exit). When that task exited with the hang code (or srun said nothing),
     the hang summary names the stuck ranks; a summary after a death is its consequence, not the cause."""
-    for line in srun_lines:
-        match = _SRUN_TASK.search(line)
-        if match is None:
-            continue
-        what, tasks = match["what"].strip(), match["tasks"]
-        code = _EXITED.search(what)
+    reported = [(match, line) for line in srun_lines if (match := _SRUN_TASK.search(line)) is not None]
+    # A task that exited with 143 was ended by srun's SIGTERM after another task failed
+    # (--kill-on-bad-exit); srun may print it before the cause when both arrive at once.
+    causes = [(m, line) for m, line in reported if _exit_code(m["what"]) != _TERMINATED_BY_SRUN]
+    if not causes and hang is None:
+        causes = reported  # every task was terminated: a stop from outside (scancel, preemption)
+    for match, line in causes:
+        code = _exit_code(match["what"])
         if code is None:
-            return Failure(exit_code, "signal", tasks, line.strip())
-        if int(code[1]) != HANG_EXIT_CODE:
-            return Failure(exit_code, "death", tasks, line.strip())
+            return Failure(exit_code, "signal", match["tasks"], line.strip())
+        if code != HANG_EXIT_CODE:
+            return Failure(exit_code, "death", match["tasks"], line.strip())
         break
     else:
         if exit_code != HANG_EXIT_CODE and hang is None:
