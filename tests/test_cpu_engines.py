@@ -19,9 +19,10 @@ def test_a_cpu_engine_gets_the_cpu_backend_its_dtype_and_a_kv_cap():
     cmd = server_command(settings)
     assert cmd[cmd.index("--device") + 1] == "cpu" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
     assert cmd[cmd.index("--max-total-tokens") + 1] == "4096"
+    assert "--sleep-on-idle" in cmd  # an idle scheduler must not spin on the cores the trainer uses
     assert settings.environment()["SGLANG_USE_CPU_ENGINE"] == "1"
     gpu = ServerSettings(model_path="m", dtype="bfloat16")
-    assert "--device" not in server_command(gpu) and gpu.environment() == {}
+    assert {"--device", "--sleep-on-idle"}.isdisjoint(server_command(gpu)) and gpu.environment() == {}
 
 
 def test_tp_ranks_of_a_cpu_engine_share_the_cores_and_use_gloo(monkeypatch):
@@ -62,3 +63,22 @@ def test_the_shipped_cpu_recipe_validates():
     cfg = load_config("tiny_cpu_sglang")
     validate(cfg)
     assert cfg.rollout.sglang.device == "cpu" and cfg.rollout.sglang.verify_interval == 1
+
+
+def test_a_port_already_taken_is_refused_before_any_server_starts(tmp_path):
+    """was: a launched engine whose port another server held died at its bind while the other server
+    answered the health check, and the run failed later with a 401 from a server that was not its own."""
+    import socket
+
+    from megatron_grpo.rollout.sglang.errors import SGLangError
+    from megatron_grpo.rollout.sglang.launcher import SGLangLauncher
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        launcher = SGLangLauncher(servers=[ServerSettings(model_path="m", port=port, command=("false",))],
+                                  log_dir=tmp_path)
+        with pytest.raises(SGLangError, match=rf"127.0.0.1:{port} already in use"):
+            launcher.start()
+        assert launcher.processes == [] and not any(tmp_path.iterdir())

@@ -10,6 +10,7 @@ import json
 import math
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -500,12 +501,11 @@ def test_dead_and_slow_rm_servers_follow_the_engine_fault_rules(models, servers)
     with pytest.raises(RewardFailure, match=f"failed on 4 of 4 calls \\(raised 4\\).*{dead}/classify"):
         rewards.score(requests)
     slow = sglang_scorer("rm", models["llama"], [servers["llama"]], max_retries=1)
-    slow.backend.timeout_s = 1e-4  # each request's HTTP timeout: the server answers later than that
-    result = CombinedRewards(None, [slow], lambda c, s: 1.0, max_error_frac=1.0).score(requests)
-    # every sample fails and is counted; at a 0.1 ms timeout a loaded machine may hit it while
-    # connecting (counted as raised; a CI run counted no timeout there) rather than while waiting
-    failed = result.metrics.get("reward/errors/timeout", 0) + result.metrics.get("reward/errors/raised", 0)
-    assert failed == len(requests), result.metrics
+    slow.backend.timeout_s = 0.3
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as silent:  # accepts, never answers
+        slow.backend.rotation.set_urls([f"http://127.0.0.1:{silent.getsockname()[1]}"])
+        result = CombinedRewards(None, [slow], lambda c, s: 1.0, max_error_frac=1.0).score(requests)
+    assert result.metrics["reward/errors/timeout"] == len(requests), result.metrics
 
 
 # ----- the tiny recipe learns from its reward model ---------------------------------------------------

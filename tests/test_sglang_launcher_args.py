@@ -36,6 +36,7 @@ EXPECTED_FIELDS = {
     "enable_memory_saver": True, "base_gpu_id": 3, "enable_deterministic_inference": True,
     "enable_fp32_lm_head": True, "enable_return_routed_experts": True, "device": "cpu", "dtype": "bfloat16",
     "max_total_tokens": 8192,
+    "sleep_on_idle": True,  # device=cpu: the scheduler must not spin beside the trainer
     # extra_args, untouched
     "skip_server_warmup": True, "nccl_port": 23456, "disable_overlap_schedule": True, "log_level": "warning",
 }
@@ -92,8 +93,8 @@ def test_default_settings_leave_sglang_at_its_defaults(parsed):
 
 def test_the_tests_real_cpu_engines_are_parsed_as_meant(parsed):
     fields = parsed["real cpu engine"]["fields"]
-    assert (fields["device"], fields["dtype"], fields["max_total_tokens"], fields["skip_server_warmup"]) == \
-        ("cpu", "float32", 4096, True)
+    assert (fields["device"], fields["dtype"], fields["max_total_tokens"], fields["skip_server_warmup"],
+            fields["sleep_on_idle"]) == ("cpu", "float32", 4096, True, True)
     assert isinstance(fields["nccl_port"], int) and fields["nccl_port"] != fields["port"]
 
 

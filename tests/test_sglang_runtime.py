@@ -133,14 +133,14 @@ def reference():
 def test_generate_answers_parse_into_samples(cluster):
     url = cluster["engines"][0]
     body = call(url, "/generate", {"input_ids": [5, 6, 7], "return_logprob": True,
-                                   "sampling_params": {"n": 3, "max_new_tokens": 5}})
+                                   "sampling_params": {"n": 3, "max_new_tokens": 5, "ignore_eos": True}})
     assert isinstance(body, list) and len(body) == 3  # SGLang's own n>1 fan-out
     for item in body:
         meta = item["meta_info"]
         assert len(item["output_ids"]) == 5 and meta["finish_reason"] == {"type": "length", "length": 5}
         assert [row[1] for row in meta["output_token_logprobs"]] == item["output_ids"]
         assert meta["weight_version"] == "default" and meta["completion_tokens"] == 5
-    samples = client([url]).generate(requests(SamplingParams(n=2, max_new_tokens=5)))
+    samples = client([url]).generate(requests(SamplingParams(n=2, max_new_tokens=5, ignore_eos=True)))
     assert [(s.group_id, s.sample_index) for s in samples] == [(f"g{i}", j) for i in range(3) for j in range(2)]
     assert all(len(s.response_ids) == 5 and s.weight_version == 0 and s.engine == url for s in samples)
     # SGLang uses sampling_seed only under deterministic inference, which does not run on a CPU:

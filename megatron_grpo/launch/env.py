@@ -186,6 +186,19 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a server could not listen on host:port now: something listens there or holds it
+    without SO_REUSEADDR. A free_server_port reservation (SO_REUSEADDR, not listening) is free."""
+    sock = _reusable_socket()
+    try:
+        sock.bind((host, port))
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.close()
+
+
 @contextlib.contextmanager
 def reserve_port(host: str = "127.0.0.1"):
     """Yields a free TCP port that stays bound by this process until the block ends, so the OS gives

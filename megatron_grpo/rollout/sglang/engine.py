@@ -143,7 +143,7 @@ class SGLangEngine(RolloutEngine, ColocatedWeightUpdates):
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         with self.prober.paused():
-            restarted = self.pool.recover(probe=not self._released)
+            restarted = self.pool.recover()
             alive = self.pool.alive_targets
             if restarted or self._push_failed or alive != list(self.transport.targets):
                 self.transport.set_targets(alive)  # (a distributed group is rebuilt)
@@ -210,7 +210,7 @@ class SGLangEngine(RolloutEngine, ColocatedWeightUpdates):
         """The engines the senders must now reach, or None when they are unchanged."""
         self.prober.pause()
         try:
-            restarted = self.pool.recover(probe=not self._released)
+            restarted = self.pool.recover()
             alive = self.pool.alive_targets
             if "weights" in self._released:
                 self._resume(["weights"])

@@ -49,30 +49,42 @@ class EnginePool:
         return [s.target for s in self.slots if s.alive]
 
     def is_healthy(self, url: str) -> bool:
+        """/health_generate: the engine generated a token (SGLang answers after >= 1 s by design)."""
+        return self._answers(url, "/health_generate")
+
+    def is_up(self, url: str) -> bool:
+        """/model_info: the server's HTTP process answers, without the scheduler generating. What a
+        sync needs to know first (a killed engine does not answer); a scheduler that hangs behind a
+        live server fails the sync's own requests and the background probe. /health_generate here
+        would add a second to every step."""
+        return self._answers(url, "/model_info")
+
+    def _answers(self, url: str, path: str) -> bool:
         try:
-            request_json(url, "/health_generate", method="GET", timeout_s=self.probe_timeout_s, api_key=self.api_key)
+            request_json(url, path, method="GET", timeout_s=self.probe_timeout_s, api_key=self.api_key)
             return True
         except SGLangError as exc:
-            log.warning("SGLang engine %s failed its health probe: %s", url, exc)
+            log.warning("SGLang engine %s failed its health probe (%s): %s", url, path, exc)
             return False
 
-    def probe(self) -> list[str]:
-        """Probes every live engine; returns the URLs found dead (they leave the rotation)."""
+    def probe(self, generate: bool = True) -> list[str]:
+        """Probes every live engine (generating a token, or only asking the server if `generate` is
+        false); returns the URLs found dead (they leave the rotation)."""
+        check = self.is_healthy if generate else self.is_up
         with self._lock:
-            dead = [s for s in self.slots if s.alive and not self.is_healthy(s.target.url)]
+            dead = [s for s in self.slots if s.alive and not check(s.target.url)]
             for slot in dead:
                 slot.alive = False
         if dead:
             self._changed()
         return [s.target.url for s in dead]
 
-    def recover(self, probe: bool = True) -> bool:
-        """Before a weight sync: probes (unless the engines' memory is released: a probe generates),
-        restarts dead launched engines, drops dead URL-given ones. Returns whether an engine was
-        restarted (a new process: it must join the weight-update group again); raises below
-        `min_engines`."""
-        if probe:
-            self.probe()
+    def recover(self) -> bool:
+        """Before a weight sync: finds the engines that are down (a server probe, which also works
+        while their memory is released), restarts dead launched engines, drops dead URL-given
+        ones. Returns whether an engine was restarted (a new process: it must join the
+        weight-update group again); raises below `min_engines`."""
+        self.probe(generate=False)
         changed = False
         with self._lock:
             for slot in self.slots:
