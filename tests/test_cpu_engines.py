@@ -21,6 +21,7 @@ def test_a_cpu_engine_gets_the_cpu_backend_its_dtype_and_a_kv_cap():
     assert cmd[cmd.index("--max-total-tokens") + 1] == "4096"
     assert "--sleep-on-idle" in cmd  # an idle scheduler must not spin on the cores the trainer uses
     assert settings.environment()["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert settings.environment()["OMP_NUM_THREADS"] == "1"  # SGLang's default (a thread per core) crawls under load
     gpu = ServerSettings(model_path="m", dtype="bfloat16")
     assert {"--device", "--sleep-on-idle"}.isdisjoint(server_command(gpu)) and gpu.environment() == {}
 
@@ -53,6 +54,7 @@ def test_colocated_engines_release_memory_on_gpus_only():
 @pytest.mark.parametrize("overrides, expected", [
     (["rollout.sglang.deterministic_inference=true"], "deterministic_inference=true: SGLang 0.5.23 starts"),
     (["rollout.sglang.max_total_tokens=16"], "max_total_tokens=16 is below the longest sequence (40 tokens"),
+    (["rollout.sglang.cpu_threads=0"], "cpu_threads=0 must be >= 1"),
 ])
 def test_what_sglang_cannot_do_on_a_cpu_is_refused(overrides, expected):
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(")):
@@ -82,3 +84,19 @@ def test_a_port_already_taken_is_refused_before_any_server_starts(tmp_path):
         with pytest.raises(SGLangError, match=rf"127.0.0.1:{port} already in use"):
             launcher.start()
         assert launcher.processes == [] and not any(tmp_path.iterdir())
+
+
+def test_the_trainer_launches_cpu_engines_with_the_recipes_threads():
+    import torch
+
+    from megatron_grpo.trainer.engines.sglang_setup import launched_server_settings
+
+    def settings(overrides):
+        cfg = load_config("tiny_cpu_sglang", overrides)
+        return launched_server_settings(cfg, "m", None, False, torch.float32, ("sglang",))
+
+    [engine] = settings([])
+    assert engine.environment()["OMP_NUM_THREADS"] == "1" and engine.device == "cpu"
+    engines = settings(["rollout.sglang.cpu_threads=2", "rollout.sglang.num_engines=2"])
+    assert [e.environment()["OMP_NUM_THREADS"] for e in engines] == ["2", "2"]
+    assert [e.port for e in engines] == [30000, 30001]

@@ -112,6 +112,9 @@ class SGLangConfig:
     # its CPU kernel package, or tools/sglang_cpu's stand-in, must be importable). No memory saver, no
     # deterministic inference there (SGLang 0.5.23 refuses both on a CPU). URL-given engines are what they are.
     device: Literal["cuda", "cpu"] = "cuda"
+    # device=cpu: OpenMP threads of each engine process (OMP_NUM_THREADS). SGLang's default takes every core,
+    # and beside a trainer or other work on the same cores its rollouts ran 10-15x slower (docs/rollout.md).
+    cpu_threads: int = 1
     # KV cache of a launched engine, in tokens (--max-total-tokens). None: SGLang sizes it from mem_fraction
     # on a GPU; on cpu (where SGLang would size it from the machine's RAM) max_concurrency x the longest
     # sequence (data.max_prompt_length + data.max_response_length).

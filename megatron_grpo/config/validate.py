@@ -328,6 +328,8 @@ def _cpu_engines(c: Config, out: list[str]) -> None:
         out.append(f"rollout.sglang.max_total_tokens={s.max_total_tokens} is below the longest sequence "
                    f"({longest_sequence(c)} tokens: data.max_prompt_length + data.max_response_length, or "
                    f"rollout.multi_turn.max_length): no such sequence would fit the engine's KV cache")
+    if s.cpu_threads < 1:
+        out.append(f"rollout.sglang.cpu_threads={s.cpu_threads} must be >= 1 (OpenMP threads of a CPU engine)")
     if s.device != "cpu" or s.urls:
         return
     if s.deterministic_inference:

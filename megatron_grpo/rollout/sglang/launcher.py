@@ -66,6 +66,7 @@ class ServerSettings:
     # asks (return_routed_experts); without the flag it ignores the request field.
     enable_return_routed_experts: bool = False
     device: str = "cuda"  # "cpu": SGLang's CPU backend (cpu_engine_environment)
+    cpu_threads: int = 1  # device=cpu: OMP_NUM_THREADS of the engine's processes
     dtype: str | None = None  # --dtype; None: SGLang's auto (float16 for an fp32 checkpoint)
     max_total_tokens: int | None = None  # --max-total-tokens: the KV cache, in tokens
     extra_args: tuple[str, ...] = ()
@@ -78,7 +79,7 @@ class ServerSettings:
 
     def environment(self) -> dict[str, str]:
         """What the server's process needs in its environment beyond ours."""
-        return cpu_engine_environment(self.tp_size) if self.device == "cpu" else {}
+        return cpu_engine_environment(self.tp_size, threads=self.cpu_threads) if self.device == "cpu" else {}
 
 
 # SGLang 0.5.23 on a CPU (its srt/utils/numa_utils.py, device_communicators/pynccl_wrapper.py):
@@ -86,12 +87,13 @@ class ServerSettings:
 # OpenMP threads to the cores SGLANG_CPU_OMP_THREADS_BIND gives it ("0|1": rank 0 on core 0, rank
 # 1 on core 1; unset, it wants one NUMA node per rank); and its TP all-reduce uses gloo once PyNccl
 # cannot load NCCL: a CUDA build of torch ships NCCL, which PyNccl would load and then ask for a
-# CUDA device, so SGLANG_NCCL_SO_PATH names a library that does not exist.
+# CUDA device, so SGLANG_NCCL_SO_PATH names a library that does not exist. Without that binding (it
+# needs AMX or arm64) torch takes an OpenMP thread per core; OMP_NUM_THREADS caps it.
 NO_NCCL_LIBRARY = "/nonexistent/megatron-grpo-cpu-engine/libnccl.so"
 
 
-def cpu_engine_environment(tp_size: int, cores: Sequence[int] | None = None) -> dict[str, str]:
-    env = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_NCCL_SO_PATH": NO_NCCL_LIBRARY}
+def cpu_engine_environment(tp_size: int, cores: Sequence[int] | None = None, threads: int = 1) -> dict[str, str]:
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_NCCL_SO_PATH": NO_NCCL_LIBRARY, "OMP_NUM_THREADS": str(threads)}
     if tp_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
         env["SGLANG_CPU_OMP_THREADS_BIND"] = cores_per_rank(sorted(cores or os.sched_getaffinity(0)), tp_size)
     return env

@@ -67,13 +67,34 @@ def routed_experts_shape(cfg: Config, model) -> tuple[int, int] | None:
     return model.num_layers, model.moe_top_k
 
 
+def launched_server_settings(cfg: Config, model_dir: Path, api_key: str | None, routed_experts: bool,
+                             dtype: torch.dtype, command: tuple[str, ...]) -> list:
+    """The ServerSettings of the engines this trainer launches (rollout.sglang, ports port, port+1, ...)."""
+    from megatron_grpo.rollout.sglang.launcher import ServerSettings
+
+    s = cfg.rollout.sglang
+    return [ServerSettings(model_path=str(model_dir), tokenizer_path=cfg.model.tokenizer_path, tp_size=s.tp_size,
+                           mem_fraction_static=s.mem_fraction,
+                           host=s.host, port=s.port + i, api_key=api_key,
+                           enable_memory_saver=engine_memory_released(cfg),
+                           # colocated: engine i on GPUs i*tp.. (rollout/sglang/colocated.py)
+                           base_gpu_id=i * s.tp_size if s.weight_sync == "tensor" else None,
+                           enable_deterministic_inference=s.deterministic_inference,
+                           enable_fp32_lm_head=cfg.model.fp32_lm_head,
+                           enable_return_routed_experts=routed_experts,
+                           device=s.device, cpu_threads=s.cpu_threads, dtype=SGLANG_DTYPES[dtype],
+                           max_total_tokens=engine_kv_tokens(cfg),
+                           extra_args=tuple(s.extra_args), command=command)
+            for i in range(s.num_engines)]
+
+
 def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path, dtype: torch.dtype = torch.float32):
     model = check_sglang_model(model_dir)
     routes_shape = routed_experts_shape(cfg, model)
     from megatron_grpo.rollout.sglang.client import SGLangClient
     from megatron_grpo.rollout.sglang.engine import EngineOptions, SGLangEngine
     from megatron_grpo.rollout.sglang.http_json import RetryPolicy
-    from megatron_grpo.rollout.sglang.launcher import RouterSettings, ServerSettings, SGLangLauncher
+    from megatron_grpo.rollout.sglang.launcher import RouterSettings, SGLangLauncher
     from megatron_grpo.rollout.sglang.pool import EnginePool, EngineSlot
     from megatron_grpo.rollout.sglang.weight_sync import (DiskTransport, DistributedTransport, EngineTarget,
                                                           TensorTransport)
@@ -92,19 +113,7 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path, dtype: t
         urls, router_url = list(s.urls), s.router_url
     else:
         command = tuple(s.launch_command) or (sys.executable, "-m", "sglang.launch_server")
-        servers = [ServerSettings(model_path=str(model_dir), tokenizer_path=cfg.model.tokenizer_path, tp_size=s.tp_size,
-                                  mem_fraction_static=s.mem_fraction,
-                                  host=s.host, port=s.port + i, api_key=api_key,
-                                  enable_memory_saver=engine_memory_released(cfg),
-                                  # colocated: engine i on GPUs i*tp.. (rollout/sglang/colocated.py)
-                                  base_gpu_id=i * s.tp_size if s.weight_sync == "tensor" else None,
-                                  enable_deterministic_inference=s.deterministic_inference,
-                                  enable_fp32_lm_head=cfg.model.fp32_lm_head,
-                                  enable_return_routed_experts=routes_shape is not None,
-                                  device=s.device, dtype=SGLANG_DTYPES[dtype],
-                                  max_total_tokens=engine_kv_tokens(cfg),
-                                  extra_args=tuple(s.extra_args), command=command)
-                   for i in range(s.num_engines)]
+        servers = launched_server_settings(cfg, model_dir, api_key, routes_shape is not None, dtype, command)
         router = None
         if s.router:
             router = RouterSettings(host=s.host, port=s.router_port, policy=s.router_policy, api_key=api_key,
