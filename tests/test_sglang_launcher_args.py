@@ -42,7 +42,7 @@ EXPECTED_FIELDS = {
 }
 # ServerSettings' fields that are no flag: extra_args are checked through the fields above, command
 # through the module that parses them.
-NOT_FLAGS = {"extra_args", "command"}
+NOT_FLAGS = {"extra_args", "command", "cpu_threads"}  # cpu_threads: OMP_NUM_THREADS (tests/test_cpu_engines.py)
 
 ROUTER_SETTINGS = RouterSettings(host="127.0.0.3", port=31300, policy="cache_aware", api_key="router key",
                                  extra_args=("--prometheus-port", "31301"), command=ROUTER)
