@@ -3,8 +3,9 @@
 # megatron-core 0.19.2, transformers 5.19.0 and SGLang 0.5.23's own runtime on CPU, all in
 # build/sglang-runtime-venv (scripts/setup_sglang_runtime.sh, layered on .venv312).
 #   1. the embedded default's task with one real SGLang engine learns (recipes/tiny_cpu_sglang.yaml,
-#      scripts/run_sglang_default.sh), in 100 of the recipe's 150 steps (it passed 0.8 at step 79 in a
-#      full run; 110 steps ended at 0.991): mean reward <= 0.3 at step 1, >= 0.8 over the last 10 steps, and every weight sync
+#      scripts/run_sglang_default.sh), in 125 of the recipe's 150 steps (unseeded engine sampling varies
+#      the curve: a full run passed 0.8 at step 79; clean-clone CI runs ended at 0.991 over steps
+#      101-110 and at 0.829 over steps 91-100): mean reward <= 0.3 at step 1, >= 0.8 over the last 10 steps, and every weight sync
 #      verified by the engine's /weights_checker checksums;
 #   2. ruff;
 #   3. pytest in that interpreter: the tests marked `versions` (their outcome can change with these
@@ -19,7 +20,7 @@ phase "set up"
 python=build/sglang-runtime-venv/bin/python
 out=build/ci-lane2-sglang-default
 rm -rf "$out"
-bash scripts/run_sglang_default.sh "logging.output_dir=$out" logging.console=false trainer.total_steps=100
+bash scripts/run_sglang_default.sh "logging.output_dir=$out" logging.console=false trainer.total_steps=125
 phase "learning run done"
 "$python" - "$out/metrics.jsonl" <<'PY'
 import json, sys
