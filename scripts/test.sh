@@ -26,8 +26,5 @@ bash scripts/start_local_slurm.sh || echo "local Slurm not started: the Slurm te
 trap 'bash scripts/stop_local_slurm.sh >/dev/null 2>&1 || true' EXIT
 # Most tests wait on processes they spawned (servers, ranks, launchers): two workers keep the two
 # cores busier (three peaked at 22 of 24 GiB). One file per worker (--dist loadfile), so a module's
-# fixtures (servers, references) are built once. One OpenMP thread per process: the suite runs many
-# processes on few cores, where more threads only wait on each other (a 3-file sample with -n 2:
-# 80 s -> 73 s; SGLang engines under load: docs/rollout.md).
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# fixtures (servers, references) are built once.
 .venv/bin/python -m pytest -n "${MEGATRON_GRPO_TEST_WORKERS:-2}" --dist loadfile "$@"

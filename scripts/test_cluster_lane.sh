@@ -35,4 +35,4 @@ sys.exit(0 if rewards[0] <= 0.3 and last >= 0.8 and verified == len(steps) else 
 PY
 .venv312/bin/ruff check .
 phase "ruff done"
-OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MEGATRON_GRPO_REQUIRE_TEST_DEPS=1 "$python" -m pytest -p no:cacheprovider -m "(versions and not slow) or sglang_runtime" "$@"
+MEGATRON_GRPO_REQUIRE_TEST_DEPS=1 "$python" -m pytest -p no:cacheprovider -m "(versions and not slow) or sglang_runtime" "$@"
