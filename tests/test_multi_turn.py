@@ -378,7 +378,7 @@ def test_python_tool_episode_puts_the_sandbox_output_in_the_trajectory():
     """The GSM8K python environment through the driver: the engine's tool call is run in the
     sandbox, its output comes back as a masked tool observation, the final answer is scored."""
     from megatron_grpo.environments.python_tool import PythonToolEnvironment
-    from tests.test_multi_turn_sglang import TEMPLATE
+    from tests.tiny_hf import CHAR_CHAT_TEMPLATE as TEMPLATE
     from tests.tiny_hf import EOS_ID, char_tokenizer
 
     tok = char_tokenizer()  # no whitespace in its vocabulary: JSON, prompts and "####42" (flexible) without it

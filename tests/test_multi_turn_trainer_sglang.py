@@ -219,7 +219,7 @@ def test_greedy_lookup_trajectories_equal_the_local_engines(tmp_path, recipe_mod
     """top_k=1: both engines take the argmax (their samplers differ, so seeded sampling is not
     comparable); step 1's trajectories, rewards and multi-turn metrics are the same, and so are the
     recipe's greedy eval episodes after it. (The fresh model's argmax turns are "\\n" x 6, no call:
-    greedy episodes with calls are compared in test_multi_turn_sglang.py, test_python_tool_engines.py.)"""
+    greedy episodes with calls are compared in test_sglang_runtime.py (real SGLang), test_python_tool_engines.py.)"""
     url, _ = server
     common = ["trainer.total_steps=1", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16", "rollout.n=2",
               "rollout.top_k=1"]

@@ -1,15 +1,14 @@
 """Routing replay (R3) from SGLang: the client asks for SGLang's `return_routed_experts` and decodes
 `meta_info["routed_experts"]` into Sample.routed_experts; the trainer replays them.
 
-Against SGLang 0.5.23's own server code (tests/sglang_harness): its GenerateReqInput / TokenizerManager
-take the request field, its capturer, `_maybe_collect_routed_experts`, output streamer, detokenizer
-(base64) and tokenizer manager (`meta_info`) carry the routes the harness model's MoE routers chose.
-A tiny Qwen3-MoE (softmax top-2, every layer sparse, as SGLang builds it), a tiny GLM-4.5 (sigmoid
-router with expert bias, group-limited top-4, layer 0 dense) and a tiny DeepSeek-V3 (MLA, the same router
-kind in transformers' DeepseekV3TopkRouter, layer 0 dense) are served with `--enable-return-routed-experts`;
-one more Qwen3-MoE server without it shows what SGLang does then (ignores the field); the real
-sglang-router 0.3.2 in front of a server drops the field. The four servers start at once (the module
-fixture): DeepSeek-V3's adds ~4 s to the start on 2 cores."""
+Here against SGLang 0.5.23's own server code (tests/sglang_harness), for what its real runtime cannot
+serve on a CPU: DeepSeek-V3 (MLA; the runtime's torch-native attention refuses MLA's head sizes, see
+docs/testing.md), and the harness's own comparisons (a Qwen3-MoE server with and without the flag, the
+real sglang-router 0.3.2 in front of a server, which drops the field). Its GetReqInput /
+TokenizerManager take the request field, its capturer, `_maybe_collect_routed_experts`, output streamer,
+detokenizer (base64) and tokenizer manager (`meta_info`) carry the routes the harness model's routers
+chose. Qwen3-MoE's and GLM-4.5's routes, and a trainer replaying GLM-4.5's, run against the real runtime
+(tests/test_sglang_runtime.py). The three servers start at once (the module fixture)."""
 from __future__ import annotations
 
 import json
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from megatron_grpo.rollout.sglang.http_json import request_json
-from tests.sglang_harness.fixtures import harness_env, launch_router, launch_servers, server_settings
+from tests.sglang_harness.fixtures import launch_router, launch_servers, server_settings
 
 pytestmark = pytest.mark.slow  # starts SGLang test servers
 
@@ -39,20 +38,18 @@ def _model(root, architecture: str, **overrides):
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("r3")
     # SGLang 0.5.23's Qwen3MoeForCausalLM builds every layer sparse (sglang_setup.check_sglang_model)
-    return {"qwen3_moe": _model(root, "qwen3_moe", mlp_only_layers=[]), "glm4_moe": _model(root, "glm4_moe"),
-            "deepseek_v3": _model(root, "deepseek_v3")}
+    return {"qwen3_moe": _model(root, "qwen3_moe", mlp_only_layers=[]), "deepseek_v3": _model(root, "deepseek_v3")}
 
 
 @pytest.fixture(scope="module")
 def servers(models, tmp_path_factory):
-    """The three models with the flag, and the Qwen3-MoE once more without it: four servers started at once."""
+    """Qwen3-MoE with and without the flag, DeepSeek-V3 with it: three servers started at once."""
     settings = [server_settings(models["qwen3_moe"], extra_args=(ROUTES_FLAG,)),
-                server_settings(models["glm4_moe"], extra_args=(ROUTES_FLAG,)),
                 server_settings(models["qwen3_moe"]),
                 server_settings(models["deepseek_v3"], extra_args=(ROUTES_FLAG,))]
     launcher = launch_servers(tmp_path_factory.mktemp("logs"), settings)
     urls = [s.url for s in launcher.servers]
-    yield {"qwen3_moe": urls[0], "glm4_moe": urls[1], "no_flag": urls[2], "deepseek_v3": urls[3]}
+    yield {"qwen3_moe": urls[0], "no_flag": urls[1], "deepseek_v3": urls[2]}
     launcher.shutdown(grace_s=2)
 
 
@@ -85,12 +82,12 @@ def _hf_routes(model_dir, sequence: list[int]) -> torch.Tensor:
     return recorder.take(1, len(sequence))[0, :-1]
 
 
-@pytest.mark.parametrize("architecture", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
-def test_sglang_routes_are_the_models_routes(servers, models, architecture):
-    """Through SGLang's own request and response path: every sample's routes cover prompt +
+def test_sglang_routes_are_the_models_routes(servers, models):
+    """DeepSeek-V3 through SGLang's own request and response path: every sample's routes cover prompt +
     response - 1 positions and equal the model's routing of the whole sequence; dense layers 0."""
     from megatron_grpo.rollout.sglang.client import SGLangClient
 
+    architecture = "deepseek_v3"
     shape = _shape(models[architecture])
     client = SGLangClient([servers[architecture]], concurrency=8)
     try:
@@ -105,7 +102,7 @@ def test_sglang_routes_are_the_models_routes(servers, models, architecture):
         assert routes.shape == (len(sequence) - 1, *shape)
         expected = _hf_routes(models[architecture], sequence)
         sparse = (expected >= 0).all(dim=-1).all(dim=0)  # the MoE layers
-        assert sparse.sum() == (4 if architecture == "qwen3_moe" else 3)
+        assert sparse.sum() == 3
         got = torch.from_numpy(routes)
         assert (got[:, ~sparse] == 0).all()  # SGLang's capture buffer is never written on dense layers
         assert torch.equal(got[:, sparse].sort(dim=-1).values, expected[:, sparse].sort(dim=-1).values)
@@ -150,37 +147,6 @@ def test_the_sglang_router_drops_return_routed_experts(servers, tmp_path):
     finally:
         router.shutdown(grace_s=2)
     assert answer["output_ids"] and "routed_experts" not in answer["meta_info"]
-
-
-def _train(rank, world_size, overrides):
-    from megatron_grpo.config import load_config
-    from megatron_grpo.trainer.loop import train
-
-    train(load_config("tiny_cpu", overrides))
-    with open(f"{overrides[-1].split('=', 1)[1]}/metrics.jsonl") as handle:
-        return [json.loads(line) for line in handle]
-
-
-def test_trainer_replays_the_routes_sglang_returns(servers, models, tmp_path):
-    """A GRPO step with rollout.engine=sglang and actor.moe_routing_replay=true against the GLM-4.5
-    server (sigmoid router, group-limited top-k, a dense layer): the MoE layers replay every
-    recorded position (moe/replayed_frac 0.95: all but the last token and padding), and the trainer's
-    log-probs equal the engine's."""
-    from megatron_grpo.testing.distributed import run_distributed
-
-    run = tmp_path / "run"
-    overrides = [f"model.path={models['glm4_moe']}", "model.make_vocab_size_divisible_by=8", "rollout.engine=sglang",
-                 f"rollout.sglang.urls=[{servers['glm4_moe']}]", "rollout.sglang.weight_sync=disk",
-                 "actor.moe_routing_replay=true", "trainer.total_steps=2", "data.train_batch_size=4",
-                 "actor.ppo_mini_batch_size=4", "rollout.n=2", "logging.console=false", "logging.plot=false",
-                 "eval.interval=-1", "rollout.sglang.health_check_interval_s=0", f"logging.output_dir={run}"]
-    records = run_distributed(_train, 1, (overrides,), timeout=300, env=harness_env())[0]
-    print({k: [r[k] for r in records] for k in ("moe/replayed_frac", "actor/logprob_abs_diff_max")})
-    assert [r["step"] for r in records] == [1, 2]
-    for record in records:
-        assert record["rollout/weight_version_min"] == record["step"] - 1
-        assert record["actor/logprob_abs_diff_max"] < 1e-4, record["actor/logprob_abs_diff_max"]
-        assert record["moe/replayed_frac"] > 0.9, record["moe/replayed_frac"]
 
 
 def test_replay_with_sglang_validates_and_refuses_only_a_router():

@@ -50,7 +50,7 @@ from megatron_grpo.testing.distributed import free_port
 from tests.sglang_harness.fixtures import LONG_CONTEXT, save_long_context_model
 from tests.sglang_runtime_fixtures import (launch_real_servers, real_router_settings, real_server_settings,
                                            runtime_env, runtime_python, sglang_fused_checksums)
-from tests.tiny_hf import EOS_ID, char_tokenizer, float64_logprobs, save_peaky_llama, tiny_model
+from tests.tiny_hf import CHAR_CHAT_TEMPLATE, EOS_ID, char_tokenizer, float64_logprobs, save_peaky_llama, tiny_model
 
 pytestmark = [pytest.mark.sglang_runtime]
 KEY = "runtime-test-key"
@@ -60,6 +60,7 @@ PROMPTS = [(5, 9, 11), (40, 41, 42, 43, 44, 45, 46), (7,) * 12]
 LONG = LONG_CONTEXT - 100  # runs until aborted
 KV_TOKENS = 16384  # --max-total-tokens: room for the long generations these tests abort
 MASK_CAP = 30  # the Llama engine's --sampling-mask-max-tokens
+ROUTES_FLAG = "--enable-return-routed-experts"
 CPU_SHIM = Path(__file__).parent / "sglang_cpu_shim"  # test-only: routed experts start on a CPU (its docstring)
 # Fast health checks so that a paused or dead worker leaves the router's rotation within seconds.
 ROUTER_FLAGS = ("--health-check-interval-secs", "1", "--health-failure-threshold", "2",
@@ -181,6 +182,55 @@ def test_greedy_equals_the_local_engine(cluster):
     got = client(cluster["engines"][:1]).generate(requests(params))
     want = LocalEngine(tiny_model(seed=0, scale=3.0), char_tokenizer()).generate(requests(params))
     assert [s.response_ids for s in got] == [s.response_ids for s in want]
+
+
+# ----- multi-turn: every turn a /generate with the trajectory's input_ids ---------------------------
+def multi_turn_rollout(engine, temperature: float):
+    from megatron_grpo.algo import AdvantageConfig
+    from megatron_grpo.data.prompts import EncodedPrompt
+    from megatron_grpo.data.records import PromptRecord
+    from megatron_grpo.environments.episodes import EpisodeLimits
+    from megatron_grpo.trainer.rollouts.rollout_phase import MultiTurnSettings, RolloutSettings, collect_rollout_batch
+
+    tokenizer, prompts = char_tokenizer(), []
+    for i, key in enumerate(["ab", "xyz"]):
+        record = PromptRecord(data_source="t", prompt=[{"role": "user", "content": key}], ground_truth="",
+                              extra_info={"index": i})
+        text = tokenizer.apply_chat_template(record.prompt, chat_template=CHAR_CHAT_TEMPLATE, tokenize=False,
+                                             add_generation_prompt=True)
+        prompts.append(EncodedPrompt(record, text, tokenizer(text, add_special_tokens=False)["input_ids"], False))
+    # every ASCII character ends a turn (the model's other ids are Cyrillic): most turns are short
+    sampling = SamplingParams(n=3, temperature=temperature, max_new_tokens=6, stop_token_ids=tuple(range(2, 96)))
+    limits = EpisodeLimits(max_turns=3, max_new_tokens_per_turn=6, max_length=60, step_timeout_s=10.0)
+    settings = RolloutSettings(n=3, sampling=sampling, adv_estimator="grpo", advantage_config=AdvantageConfig(),
+                               multi_turn=MultiTurnSettings("tests.test_multi_turn:EchoEnvironment", {}, limits,
+                                                            chat_template=CHAR_CHAT_TEMPLATE))
+    return collect_rollout_batch(engine, lambda: prompts, tokenizer, None, settings, step=1, num_prompts=2,
+                                 in_trainer_thread=False)
+
+
+def test_multi_turn_trajectories_logprobs_and_greedy_equal_the_local_engine(cluster, reference):
+    """The tool environment's observations are appended between turns: the engine's log-probs of the
+    generated ids equal a float64 recomputation over the whole trajectory (observations masked out),
+    and greedy trajectories equal the local engine's token for token (turns, observations, masks)."""
+    url = cluster["engines"][0]
+    engine = SGLangEngine(client([url]), DiskTransport(client([url]), [EngineTarget(url)], "/nonexistent"),
+                          options=NO_PROBE)
+    batch = multi_turn_rollout(engine, temperature=1.0)
+    assert batch.metrics["multi_turn/turns_mean"] > 1.5
+    assert sum(not all(s.response_mask) for s in batch.samples) >= 3
+    for sample in batch.samples:
+        mask = torch.tensor(sample.response_mask)
+        got = torch.tensor(sample.rollout_logprobs, dtype=torch.float64)
+        assert torch.all(got[~mask] == 0)
+        want = float64_logprobs(reference, sample.prompt_ids, sample.response_ids)
+        assert (got[mask] - want[mask]).abs().max() <= fp32_logprob_tolerance(sample)
+    greedy = multi_turn_rollout(engine, temperature=0.0)
+    local = multi_turn_rollout(LocalEngine(tiny_model(seed=0, scale=3.0), char_tokenizer()), temperature=0.0)
+    assert [s.prompt_ids + s.response_ids for s in greedy.samples] == \
+        [s.prompt_ids + s.response_ids for s in local.samples]
+    assert [s.response_mask for s in greedy.samples] == [s.response_mask for s in local.samples]
+    engine.close()
 
 
 def test_4xx_is_not_retried_and_names_the_url(cluster):
@@ -546,35 +596,42 @@ def llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    """A tiny Qwen3-MoE (8 experts, top-2), every layer sparse as SGLang 0.5.23 builds it."""
+def moe_dirs(tmp_path_factory):
+    """A tiny Qwen3-MoE (8 experts, softmax top-2, every layer sparse as SGLang 0.5.23 builds it) and a
+    tiny GLM-4.5 (sigmoid router with expert bias, group-limited top-k, layer 0 dense)."""
     from megatron_grpo.data.synthetic import build_tokenizer
     from megatron_grpo.models.tiny import save_tiny_hf_model
 
-    folder = save_tiny_hf_model("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3_moe", seed=1, mlp_only_layers=[])
-    build_tokenizer(folder)
-    return folder
+    root = tmp_path_factory.mktemp("moe")
+    folders = {"qwen3_moe": save_tiny_hf_model("qwen3_moe", root / "qwen3_moe", seed=1, mlp_only_layers=[]),
+               "glm4_moe": save_tiny_hf_model("glm4_moe", root / "glm4_moe", seed=1)}
+    for folder in folders.values():
+        build_tokenizer(folder)
+    return folders
 
 
 @pytest.fixture(scope="module")
-def late(llama, moe_dir, tmp_path_factory):
-    """tp2: the Llama at TP 2; moe: the Qwen3-MoE with --enable-return-routed-experts, which starts
-    on a CPU only with the test-only torch shim of tests/sglang_cpu_shim on its PYTHONPATH. Both
-    start at once (two launchers: the shim is in the MoE engine's environment only)."""
+def late(llama, moe_dirs, tmp_path_factory):
+    """tp2: the Llama at TP 2; qwen3_moe and glm4_moe: the MoE models with --enable-return-routed-experts,
+    which start on a CPU only with the test-only torch shim of tests/sglang_cpu_shim on their PYTHONPATH
+    (the GLM engine without an API key, as the trainer's recipe gives it). All start at once (two
+    launchers: the shim is in the MoE engines' environment only)."""
     runtime_python()
     logs = tmp_path_factory.mktemp("logs")
     tp2 = real_server_settings(llama[0], tp_size=2, api_key=KEY,
                                extra_args=("--sampling-mask-max-tokens", str(MASK_CAP), "--enable-fp32-lm-head"))
-    moe = real_server_settings(moe_dir, api_key=KEY, extra_args=("--enable-return-routed-experts",))
+    moe = {"qwen3_moe": real_server_settings(moe_dirs["qwen3_moe"], api_key=KEY, extra_args=(ROUTES_FLAG,)),
+           "glm4_moe": real_server_settings(moe_dirs["glm4_moe"], extra_args=(ROUTES_FLAG,))}
     shim = {"PYTHONPATH": os.pathsep.join([str(CPU_SHIM), os.environ.get("PYTHONPATH", "")])}
     launchers = [SGLangLauncher(servers=[tp2], log_dir=logs, env=runtime_env()),
-                 SGLangLauncher(servers=[moe], log_dir=logs, env=runtime_env(shim))]
+                 SGLangLauncher(servers=list(moe.values()), log_dir=logs, env=runtime_env(shim))]
     try:
         for launcher in launchers:
             launcher.start()
         for launcher in launchers:
             launcher.wait_healthy(timeout_s=300, poll_s=0.5)
-        yield {"tp2": tp2.url, "moe": moe.url, "tp2_pid": launchers[0].processes[0].process.pid}
+        yield {"tp2": tp2.url, "tp2_pid": launchers[0].processes[0].process.pid,
+               **{name: settings.url for name, settings in moe.items()}}
     finally:
         for launcher in launchers:
             launcher.shutdown(grace_s=2)
@@ -723,19 +780,21 @@ def test_tp2_engine_generates_and_takes_a_distributed_update_into_both_ranks(tp2
     transport.close()
 
 
-def test_moe_routed_experts_are_the_models_routes(late, moe_dir):
-    """SGLang's native MoE path on a CPU (fused_topk_torch_native, moe_forward_native) with
-    --enable-return-routed-experts: log-probs equal transformers', and every sample's routes cover
-    prompt + response - 1 positions and equal the model's own top-2 at every position and layer.
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "glm4_moe"])
+def test_moe_routed_experts_are_the_models_routes(late, moe_dirs, architecture):
+    """SGLang's native MoE path on a CPU (fused_topk_torch_native / biased grouped top-k,
+    moe_forward_native) with --enable-return-routed-experts: log-probs equal transformers', and every
+    sample's routes cover prompt + response - 1 positions and equal the model's own top-k at every
+    position of every MoE layer (SGLang never writes its capture buffer on GLM's dense layer 0: zeros).
     (Without tests/sglang_cpu_shim the engine does not start: "RuntimeError: Found no NVIDIA driver"
     from torch.cuda.cudart() in SGLang's mem_cache/pool_host/common.py _cuda_host_register.)"""
     from transformers import AutoModelForCausalLM
 
     from megatron_grpo.rollout.routed_experts import RoutedExpertsRecorder
 
-    url = late["moe"]
+    url = late[architecture]
     assert call(url, "/server_info", method="GET")["enable_return_routed_experts"] is True
-    model = AutoModelForCausalLM.from_pretrained(str(moe_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(moe_dirs[architecture]), dtype=torch.float32).eval()
     shape = (model.config.num_hidden_layers, model.config.num_experts_per_tok)
     reference = copy.deepcopy(model).double()
     reference.config._experts_implementation = "eager"  # transformers' grouped_mm takes no float64
@@ -753,5 +812,40 @@ def test_moe_routed_experts_are_the_models_routes(late, moe_dir):
         with torch.no_grad():
             model(torch.tensor([sequence]))
         expected = recorder.take(1, len(sequence))[0, :-1]
+        sparse = (expected >= 0).all(dim=-1).all(dim=0)  # the MoE layers (the recorder gives -1 on dense ones)
+        assert int(sparse.sum()) == (4 if architecture == "qwen3_moe" else 3)
         got = torch.from_numpy(sample.routed_experts)
-        assert torch.equal(got.sort(dim=-1).values, expected.sort(dim=-1).values), sample.group_id
+        assert (got[:, ~sparse] == 0).all()
+        assert torch.equal(got[:, sparse].sort(dim=-1).values, expected[:, sparse].sort(dim=-1).values), \
+            sample.group_id
+
+
+def _train_tiny(rank, world_size, overrides):
+    from megatron_grpo.config import load_config
+    from megatron_grpo.trainer.loop import train
+
+    cfg = load_config("tiny_cpu", overrides)
+    train(cfg)
+    with open(Path(cfg.logging.output_dir) / "metrics.jsonl") as handle:
+        return [json.loads(line) for line in handle]
+
+
+def test_trainer_replays_the_routes_the_engine_returns(late, moe_dirs, tmp_path):
+    """Two GRPO steps with rollout.engine=sglang and actor.moe_routing_replay=true against the real
+    GLM-4.5 engine (sigmoid router, group-limited top-k, a dense layer), disk sync: the MoE layers
+    replay every recorded position (moe/replayed_frac > 0.9: all but the last token and padding),
+    the engine serves step 2 with step 1's weights, and the trainer's log-probs equal the engine's."""
+    from megatron_grpo.testing.distributed import run_distributed
+
+    overrides = [f"model.path={moe_dirs['glm4_moe']}", "model.make_vocab_size_divisible_by=8",
+                 "rollout.engine=sglang", f"rollout.sglang.urls=[{late['glm4_moe']}]",
+                 "rollout.sglang.weight_sync=disk", "actor.moe_routing_replay=true", "trainer.total_steps=2",
+                 "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "logging.console=false",
+                 "logging.plot=false", "eval.interval=-1", "rollout.sglang.health_check_interval_s=0",
+                 f"logging.output_dir={tmp_path / 'run'}"]
+    records = run_distributed(_train_tiny, 1, (overrides,), timeout=300)[0]
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["rollout/weight_version_min"] == record["step"] - 1
+        assert record["actor/logprob_abs_diff_max"] < 1e-4, record["actor/logprob_abs_diff_max"]
+        assert record["moe/replayed_frac"] > 0.9, record["moe/replayed_frac"]

@@ -9,6 +9,11 @@ VOCAB_SIZE = 300
 PAD_ID, EOS_ID = 0, 1
 
 
+# A chat template for char_tokenizer, which has no whitespace: spelled without it.
+CHAR_CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}|{% endfor %}"
+                      "{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
 def char_tokenizer(whitespace: bool = False):
     """A PreTrainedTokenizerFast whose tokens are single characters (ids 2..299) plus <pad>, <eos>.
 
