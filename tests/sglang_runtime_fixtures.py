@@ -67,6 +67,22 @@ def launch_real_servers(log_dir: str | Path, settings: Sequence[ServerSettings],
     return launcher
 
 
+def launch_real_router(log_dir: str | Path, worker_urls: Sequence[str]) -> SGLangLauncher:
+    """The runtime venv's sglang-router in front of servers started elsewhere (as slurm/ starts it);
+    the caller shuts it down."""
+    from urllib.parse import urlparse
+
+    given = [ServerSettings(model_path="", host=urlparse(u).hostname, port=urlparse(u).port) for u in worker_urls]
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    launcher = SGLangLauncher(servers=given, log_dir=log_dir, router=real_router_settings(), env=runtime_env())
+    try:
+        launcher.wait_healthy(timeout_s=120, poll_s=0.5)  # starts only the router: no server was started here
+    except BaseException:
+        launcher.shutdown(grace_s=2)
+        raise
+    return launcher
+
+
 def sglang_fused_checksums(model_dir: str | Path, hf_tensors: Mapping[str, torch.Tensor], *,
                            tp_size: int = 1) -> list[dict[str, str]]:
     """What a real float32 CPU engine serving model_dir (a dense Qwen2 / Qwen3 / Llama) reports by

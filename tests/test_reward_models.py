@@ -1,7 +1,7 @@
 """Rewards from models (reward.models, docs/rewards.md): reward models and judges against the real
-components. SGLang 0.5.23's own HTTP app, tokenizer manager and classification head / pooling code
-(tests/sglang_harness) serve /classify for tiny Qwen2 / Qwen3 / Llama *ForSequenceClassification
-checkpoints and /generate for a tiny judge; their scores are held to HF transformers' in float64.
+components. SGLang 0.5.23's own runtime on this CPU (lane 2, marker sglang_runtime) serves /classify
+for tiny Qwen2 / Qwen3 / Llama *ForSequenceClassification checkpoints and /generate for a tiny judge;
+their scores are held to HF transformers' in float64.
 Judge parsing meets adversarial answers; combination, failure accounting and timeouts run through
 CombinedRewards; a bad recipe is one line naming the key (exit 2)."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 ARCHITECTURES = ("qwen2", "qwen3", "llama")
 # SGLang's Qwen2 / Qwen3 classification heads are nn.Linear(hidden, 1) WITH a bias; HF checkpoints
 # have none, so SGLang keeps its random initialisation: every score is shifted by one constant.
-# Llama's head has no bias (tests/sglang_harness/classification.py).
+# Llama's head has no bias (SGLang's models/qwen2_classification.py, qwen3_classification.py, llama_reward.py).
 BIASED_HEAD = {"qwen2": True, "qwen3": True, "llama": False}
 
 
@@ -339,29 +339,38 @@ def _conversation(request):
     return conversation(request)
 
 
-# ----- SGLang's own server code -------------------------------------------------------------------
+# ----- SGLang 0.5.23's own runtime on this CPU (build/sglang-runtime-venv) --------------------------
+# These tests run in lane 2's interpreter (marker sglang_runtime); the real runtime serves /classify and
+# the judge's /generate on a CPU as on a GPU.
+REAL_SCORER_FLAGS = ("--dtype", "float32", "--skip-server-warmup")
+
+
 @pytest.fixture(scope="module")
 def servers(models, tmp_path_factory):
-    """name -> URL of a harness server: qwen2, qwen3, judge started by the tests' launcher; llama by a
-    scorer itself (reward.models.<name>.sglang.gpus, the trainer's path), at the same time. The
+    """name -> URL of a real CPU server: qwen2, qwen3 (reward models, SGLang's classification flags as the
+    scorer passes them) and judge started by the tests' launcher; llama launched by a scorer itself
+    (reward.models.<name>.sglang.gpus with device=cpu, the trainer's path), all at the same time. The
     launched scorer is "launched"; closing it at the end must stop its server."""
     from megatron_grpo.config.reward_models import ScorerServerConfig
     from megatron_grpo.launch.env import free_server_port
-    from megatron_grpo.reward_models.build import build_scorer
+    from megatron_grpo.reward_models.build import RM_SERVER_SEED, build_scorer
     from megatron_grpo.rollout.sglang.launcher import SGLangLauncher
-    from tests.sglang_harness.fixtures import HARNESS_FLAGS, harness_env, server_command, server_settings
+    from tests.sglang_runtime_fixtures import real_server_settings, runtime_env, runtime_python
 
-    names = ["qwen2", "qwen3", "judge"]
-    settings = [server_settings(models[name], deterministic=False) for name in names]
+    rm_flags = ("--is-embedding", "--random-seed", str(RM_SERVER_SEED))
+    settings = {name: real_server_settings(models[name], extra_args=rm_flags if name != "judge" else ())
+                for name in ("qwen2", "qwen3", "judge")}
     # Started from this (the main) thread, then waited for after the scorer's own server: a server
     # started from a helper thread gets its parent-death SIGTERM when that thread ends
     # (launch/lifetime.py), which is how an earlier version of this fixture lost its servers in CI.
-    started = SGLangLauncher(servers=settings, log_dir=tmp_path_factory.mktemp("logs"), env=harness_env())
+    started = SGLangLauncher(servers=list(settings.values()), log_dir=tmp_path_factory.mktemp("logs"),
+                             env=runtime_env())
     started.start()
     launched = None
     try:
-        sglang = ScorerServerConfig(gpus=[0], port=free_server_port(),
-                                    launch_command=[*server_command(), *HARNESS_FLAGS])
+        sglang = ScorerServerConfig(gpus=[0], port=free_server_port(), device="cpu",
+                                    launch_command=[runtime_python(), "-m", "sglang.launch_server"],
+                                    extra_args=[*REAL_SCORER_FLAGS, "--nccl-port", str(free_server_port())])
         launched = build_scorer("rm", scorer_config(models["llama"], backend="sglang", sglang=sglang),
                                 tmp_path_factory.mktemp("rm-logs"))
         started.wait_healthy(timeout_s=300, poll_s=0.5)
@@ -370,7 +379,7 @@ def servers(models, tmp_path_factory):
             launched.close()
         started.shutdown(grace_s=2)
         raise
-    yield {**{name: s.url for name, s in zip(names, settings)}, "llama": launched.backend.urls[0],
+    yield {**{name: server.url for name, server in settings.items()}, "llama": launched.backend.urls[0],
            "launched": launched}
     [process] = launched.backend.launcher.processes
     launched.close()
@@ -387,6 +396,7 @@ def sglang_scorer(name: str, folder: Path, urls, **fields):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.sglang_runtime
 def test_classify_scores_equal_hf_sequence_classification(models, servers, arch):
     """/classify (SGLang's head and LAST pooling) against AutoModelForSequenceClassification in
     float64 on the same token ids: equal for Llama; for Qwen2 / Qwen3 equal up to one constant,
@@ -406,6 +416,7 @@ def test_classify_scores_equal_hf_sequence_classification(models, servers, arch)
     assert reference.std() > 10 * allowed  # the inputs are told apart: the comparison means something
 
 
+@pytest.mark.sglang_runtime
 def test_v1_classify_gives_probabilities_not_a_reward(models, servers):
     """Why the client uses /classify: SGLang's /v1/classify answers softmax over the labels, 1.0 for
     every input of a one-output reward model."""
@@ -416,15 +427,16 @@ def test_v1_classify_gives_probabilities_not_a_reward(models, servers):
     assert answers == [[1.0], [1.0]]
 
 
+@pytest.mark.sglang_runtime
 def test_sglang_router_does_not_route_classify(servers, tmp_path):
     """Why reward-model servers are given one by one (the client spreads and fails over itself):
     the real sglang-router 0.3.2 in front of a classification server answers 404 to /classify."""
     import urllib.error
     import urllib.request
 
-    from tests.sglang_harness.fixtures import launch_router
+    from tests.sglang_runtime_fixtures import launch_real_router
 
-    router = launch_router(tmp_path / "router", [servers["llama"]])
+    router = launch_real_router(tmp_path / "router", [servers["llama"]])
     try:
         request = urllib.request.Request(router.router.url + "/classify", data=b'{"input_ids": [[1, 5, 7]]}',
                                          headers={"Content-Type": "application/json"})
@@ -435,6 +447,7 @@ def test_sglang_router_does_not_route_classify(servers, tmp_path):
     assert refused.value.code == 404
 
 
+@pytest.mark.sglang_runtime
 def test_a_judge_scores_alike_through_sglang_and_in_process(models, servers):
     """yes_no: P(yes) / (P(yes) + P(no)) of the first answer token equals HF's float64 value;
     number: SGLang's greedy answer is the in-process backend's, parsed the same way."""
@@ -466,19 +479,25 @@ def test_a_judge_scores_alike_through_sglang_and_in_process(models, servers):
     assert [(o.score, o.kind) for o in there.score(requests)] == [(o.score, o.kind) for o in here.score(requests)]
 
 
+@pytest.mark.sglang_runtime
 def test_a_scorer_launches_its_servers_on_its_gpus(models, servers):
     """reward.models.<name>.sglang.gpus without urls: the trainer's process started the llama server
-    (the servers fixture; the harness through sglang.launch_command) with SGLang's classification flags
-    and one seed, and scores through it as a scorer given its URL does (the fixture's teardown checks
-    that close() stops it)."""
+    (the servers fixture, with device=cpu; the runtime venv's python through sglang.launch_command)
+    with SGLang's classification flags, one seed and a capped KV cache, and scores through it as a
+    scorer given its URL does (the fixture's teardown checks that close() stops it)."""
+    from megatron_grpo.config.reward_models import CPU_SCORER_KV_TOKENS
+
     launched = servers["launched"]
     [process] = launched.backend.launcher.processes
-    assert " ".join(process.cmd).endswith("--base-gpu-id 0 --is-embedding --random-seed 0")
+    command = " ".join(process.cmd)
+    assert f"--device cpu --sleep-on-idle --max-total-tokens {CPU_SCORER_KV_TOKENS} --is-embedding --random-seed 0" \
+        in command and "--base-gpu-id" not in command
     given = sglang_scorer("rm", models["llama"], [servers["llama"]])
     requests = requests_of_the_task()[:4]
     assert [o.score for o in launched.score(requests)] == [o.score for o in given.score(requests)]
 
 
+@pytest.mark.sglang_runtime
 def test_dead_and_slow_rm_servers_follow_the_engine_fault_rules(models, servers):
     """At start a server that does not answer, or serves a generation model, is one error naming it;
     while scoring a dead server is failed over to a live one; all dead, or slower than timeout_s,

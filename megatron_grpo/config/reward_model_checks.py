@@ -118,6 +118,10 @@ def _server(key: str, v: ScorerServerConfig) -> list[str]:
         out.append(f"{key}.gpus: {len(v.gpus)} GPUs do not split into servers of tp_size={v.tp_size}")
     if len(set(v.gpus)) != len(v.gpus) or any(g < 0 for g in v.gpus):
         out.append(f"{key}.gpus={v.gpus} must be distinct GPU indices >= 0")
+    if v.cpu_threads < 1:
+        out.append(f"{key}.cpu_threads={v.cpu_threads} must be >= 1 (OpenMP threads of a CPU server)")
+    if v.max_total_tokens is not None and v.max_total_tokens < 1:
+        out.append(f"{key}.max_total_tokens={v.max_total_tokens} must be >= 1 (tokens of the KV cache)")
     for name in ("max_concurrency", "max_retries"):
         if getattr(v, name) < 1:
             out.append(f"{key}.{name}={getattr(v, name)} must be >= 1")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 RULE = "rule"  # reward.combine's name for reward.function's score
+CPU_SCORER_KV_TOKENS = 16384  # a launched CPU server's default KV cache (reward.models.<name>.sglang.max_total_tokens)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,13 @@ class ScorerServerConfig:
     tp_size: int = 1
     port: int = 31000  # first port of launched servers; server i listens on port + i
     mem_fraction: float = 0.85  # --mem-fraction-static of launched servers
+    # Where launched servers run: cuda, or cpu (SGLang's CPU backend, as rollout.sglang.device=cpu); on cpu
+    # `gpus` only counts the servers (one per tp_size entries) and no --base-gpu-id is passed.
+    device: Literal["cuda", "cpu"] = "cuda"
+    cpu_threads: int = 1  # device=cpu: OpenMP threads of each server process (OMP_NUM_THREADS)
+    # KV cache of a launched server, in tokens (--max-total-tokens). None: SGLang sizes it from mem_fraction
+    # on a GPU; on cpu (where SGLang would size it from the machine's RAM) CPU_SCORER_KV_TOKENS.
+    max_total_tokens: Optional[int] = None
     extra_args: list[str] = field(default_factory=list)  # passed to sglang.launch_server untouched
     # The command that starts one server (its flags are appended); empty = `python -m sglang.launch_server`.
     launch_command: list[str] = field(default_factory=list)

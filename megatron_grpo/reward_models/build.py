@@ -121,7 +121,9 @@ def sglang_backend(key: str, cfg: ModelScorerConfig, log_dir: Path):
 
 
 def launch_servers(key: str, cfg: ModelScorerConfig, api_key: str | None, log_dir: Path):
-    """One server per tp_size GPUs of sglang.gpus, on this node, waited on until each serves."""
+    """One server per tp_size GPUs of sglang.gpus (on device=cpu: per tp_size entries), on this node,
+    waited on until each serves."""
+    from megatron_grpo.config.reward_models import CPU_SCORER_KV_TOKENS
     from megatron_grpo.rollout.sglang.launcher import ServerSettings, SGLangLauncher
 
     s = cfg.sglang
@@ -129,8 +131,11 @@ def launch_servers(key: str, cfg: ModelScorerConfig, api_key: str | None, log_di
     # SGLang's classification path; one seed for every server: a head tensor the checkpoint lacks (Qwen2 /
     # Qwen3's score bias) keeps its random initialisation, drawn from --random-seed (random when unset)
     flags = ("--is-embedding", "--random-seed", str(RM_SERVER_SEED)) if cfg.kind == "reward_model" else ()
+    on_cpu = s.device == "cpu"
+    kv_tokens = s.max_total_tokens or (CPU_SCORER_KV_TOKENS if on_cpu else None)
     servers = [ServerSettings(model_path=str(cfg.path), tp_size=s.tp_size, mem_fraction_static=s.mem_fraction,
-                              port=s.port + i, api_key=api_key, base_gpu_id=s.gpus[i * s.tp_size],
+                              port=s.port + i, api_key=api_key, base_gpu_id=None if on_cpu else s.gpus[i * s.tp_size],
+                              device=s.device, cpu_threads=s.cpu_threads, max_total_tokens=kv_tokens,
                               extra_args=(*flags, *s.extra_args), command=command)
                for i in range(len(s.gpus) // s.tp_size)]
     launcher = SGLangLauncher(servers=servers, log_dir=log_dir)

@@ -50,11 +50,8 @@ What runs here is SGLang's code too, except the loop and the forward pass:
   caps the running requests, the rest wait, as in SGLang.
 - returned log-probs beyond the sampled token's (`top_logprobs_num`, `token_ids_logprob`) are
   SGLang's `get_top_logprobs` / `get_token_ids_logprobs` over the same log-probs;
-- reward / classification models (SGLang's `is_generation_model` says no: *ForSequenceClassification
-  and the like) take SGLang's embedding path: `TokenizedEmbeddingReqInput` -> SGLang's `Req`,
-  `validate_input_length`, one prefill batch through SGLang's own model class for the head and
-  the LAST-token pooling over the HF body (classification.py), SGLang's `_convert_embeddings`,
-  the dummy output token and `_stream_output_embedding`: `/classify` answers what SGLang does.
+- reward / classification models are refused at start: SGLang's real runtime serves /classify on a
+  CPU (tests/test_reward_models.py), so the harness has no model of it.
 Ours: the decode loop (one HF forward per running request per step, KV cache in HF's cache),
 the CPU memory saver (releasing `weights` zeroes them: SGLang drops their contents too unless
 `--enable-weights-cpu-backup`), and a scheduler-side exception ends the server as SGLang's does
@@ -132,20 +129,14 @@ class CpuModelRunner:
         from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
         from sglang.srt.utils.weight_checker import WeightChecker
 
-        from tests.sglang_harness.classification import ClassificationModel
         from tests.sglang_harness.model import DENSE_FUSED_CLASSES, SGLangLayout, load_causal_lm, sglang_model_class
 
         self.model_config = model_config
-        self.classifier = None
-        if model_config.is_generation:
-            self.model = load_causal_lm(server_args.model_path, model_config.dtype, sglang_model_class(model_config))
-        else:  # a reward / classification model: SGLang's head and pooling over the HF body (classification.py)
-            from sglang.srt.runtime_context import get_device
-
-            self.classifier = ClassificationModel(server_args.model_path, model_config,
-                                                  sglang_model_class(model_config),
-                                                  get_device().random_seed)  # the seed SGLang's TpModelWorker sets
-            self.model = self.classifier.body
+        if not model_config.is_generation:
+            raise NotImplementedError(f"{server_args.model_path} is a reward / classification model: the harness "
+                                      "serves generation models only (SGLang's real runtime serves /classify on a "
+                                      "CPU, tests/test_reward_models.py)")
+        self.model = load_causal_lm(server_args.model_path, model_config.dtype, sglang_model_class(model_config))
         self.tp_size = server_args.tp_size
         self.weight_updater = WeightUpdater(
             tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=model_config, custom_weight_loaders={},
@@ -155,7 +146,7 @@ class CpuModelRunner:
         # SGLangLayout); its reset_tensors writes into the HF model itself
         self._raw_checker = WeightChecker(get_model=lambda: self.model)
         self._weight_checker = self._raw_checker
-        if model_config.is_generation and sglang_model_class(model_config).__name__ in DENSE_FUSED_CLASSES:
+        if sglang_model_class(model_config).__name__ in DENSE_FUSED_CLASSES:
             self._weight_checker = WeightChecker(get_model=lambda: SGLangLayout(
                 self.model, model_config.hf_config, tp_rank, server_args.tp_size))
         self.weight_exporter = WeightExporter(tp_rank=tp_rank, tp_size=self.tp_size, gpu_id=0,
@@ -274,7 +265,6 @@ class CpuScheduler:
         self.get_sampling_mask_finish_reason = processor.get_sampling_mask_finish_reason.__get__(self)
         self.add_sampling_mask_return_values = processor.add_sampling_mask_return_values.__get__(self)
         self._reject_sampling_mask_request = Scheduler._reject_sampling_mask_request.__get__(self)
-        self._convert_embeddings = processor._convert_embeddings.__get__(self)
         self._maybe_collect_routed_experts = processor._maybe_collect_routed_experts.__get__(self)
 
     def init_info(self) -> dict[str, Any]:
@@ -289,8 +279,6 @@ class CpuScheduler:
         return TypeBasedDispatcher([
             (io.TokenizedGenerateReqInput, self.handle_generate_request),
             (io.BatchTokenizedGenerateReqInput, self.handle_batch_generate_request),
-            (io.TokenizedEmbeddingReqInput, self.handle_embedding_request),
-            (io.BatchTokenizedEmbeddingReqInput, self.handle_batch_embedding_request),
             (io.FlushCacheReqInput, lambda req: io.FlushCacheReqOutput(success=self.flush_cache())),
             (io.AbortReq, self.abort_request),
             (io.PauseGenerationReqInput, self.pause_generation),
@@ -349,8 +337,6 @@ class CpuScheduler:
             return False
         if (self.waiting or self.running) and "kv_cache" in self.memory_saver.paused:
             raise RuntimeError("generation while the KV cache is released (release_memory_occupation)")
-        if not self.model_config.is_generation:
-            return self._embed_waiting()
         while self.waiting and len(self.running) < self.max_running_requests:
             req = self.waiting.pop(0)
             self.running.append(Running(req))
@@ -640,58 +626,6 @@ class CpuScheduler:
         for recv_req in batch:
             self.handle_generate_request(recv_req)
 
-    def handle_embedding_request(self, recv_req) -> None:
-        """SGLang's Scheduler._handle_embedding_request without multimodal inputs: the same Req."""
-        from sglang.srt.managers.schedule_batch import Req
-        from sglang.srt.managers.utils import validate_input_length
-        from sglang.srt.runtime_context import get_serving
-
-        if self.tp_rank != 0:
-            return
-        req = Req(recv_req.rid, recv_req.input_text, recv_req.input_ids, recv_req.sampling_params,
-                  positional_embed_overrides=recv_req.positional_embed_overrides,
-                  token_type_ids=recv_req.token_type_ids, routed_dp_rank=recv_req.routed_dp_rank,
-                  priority=recv_req.priority, dimensions=recv_req.dimensions, lora_id=recv_req.lora_id,
-                  http_worker_ipc=recv_req.http_worker_ipc, time_stats=recv_req.time_stats,
-                  return_pooled_hidden_states=recv_req.return_pooled_hidden_states,
-                  multi_item_delimiter_indices=recv_req.multi_item_delimiter_indices,
-                  token_indices_to_pool=recv_req.token_indices_to_pool, decision_layout=recv_req.decision_layout)
-        req.tokenizer = self.tokenizer
-        if recv_req.mm_inputs is not None or recv_req.token_indices_to_pool is not None or \
-                recv_req.multi_item_delimiter_indices is not None:
-            raise NotImplementedError("the CPU scheduler serves plain /classify requests: no multimodal inputs, "
-                                      "token_indices_to_pool or multi-item scoring")
-        error_msg = validate_input_length(req, self.init_info()["max_req_input_len"], get_serving().allow_auto_truncate)
-        if error_msg:
-            # SGLang 0.5.23 queues such an embedding request without aborting it (its generate path
-            # aborts); what follows depends on its GPU memory pool. Here it is aborted as a generate one.
-            req.set_finish_with_abort(error_msg)
-            self.output_streamer.stream_output([req], False)
-            return
-        req.logprob_start_len = -1
-        self.waiting.append(req)
-
-    def handle_batch_embedding_request(self, batch) -> None:
-        for recv_req in batch:
-            self.handle_embedding_request(recv_req)
-
-    def _embed_waiting(self) -> bool:
-        """One prefill batch of waiting embedding requests (up to --max-running-requests): SGLang's
-        classification forward (classification.py), then its SchedulerBatchResultProcessor steps for
-        embedding batches: embeddings to lists, the dummy output token, finish, stream. Whether it ran."""
-        if not self.waiting:
-            return False
-        batch, self.waiting = self.waiting[:self.max_running_requests], self.waiting[self.max_running_requests:]
-        self.faults.before_forward()
-        result = EmbeddingResult(self.runner.classifier.embeddings([list(req.origin_input_ids) for req in batch]))
-        embeddings = self._convert_embeddings(result=result)
-        for req, embedding in zip(batch, embeddings):
-            req.embedding = embedding
-            req.output_ids.append(0)  # SGLang's "dummy output token for embedding models"
-            req.update_finish_state()
-        self.output_streamer.stream_output(batch, False)
-        return True
-
     def abort_request(self, recv_req) -> None:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
         from sglang.srt.managers.scheduler import _make_abort_req
@@ -747,13 +681,6 @@ SUPPORT_CAP_FAULT = "harness_sampler_support_cap"
 def _support_cap_fault(req, cap: int) -> int:
     custom = req.sampling_params.custom_params or {}
     return int(custom[SUPPORT_CAP_FAULT]) if SUPPORT_CAP_FAULT in custom else cap
-
-
-class EmbeddingResult:
-    """What SchedulerBatchResultProcessor._convert_embeddings reads of an EmbeddingBatchResult."""
-
-    def __init__(self, embeddings: torch.Tensor):
-        self.embeddings = embeddings
 
 
 class OneRequestBatch:
