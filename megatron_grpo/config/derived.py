@@ -62,6 +62,19 @@ def engine_kv_tokens(cfg: Config) -> int | None:
     return s.max_concurrency * longest_sequence(cfg)
 
 
+def long_tail_enabled(cfg: Config) -> bool:
+    """Whether rounds over-sample and abort the tail (rollout.long_tail.over_sampling_groups > 0)."""
+    return cfg.rollout.long_tail.over_sampling_groups > 0
+
+
+def carried_staleness(cfg: Config) -> int | None:
+    """How many weight versions behind the trained ones a carried token may be (partial rollouts): the
+    staleness bound, at least 1 (max_staleness 0 with allow_off_policy); None without partial rollouts."""
+    if not (long_tail_enabled(cfg) and cfg.rollout.long_tail.partial_rollout):
+        return None
+    return max(cfg.rollout.max_staleness, 1)
+
+
 def longest_sequence(cfg: Config) -> int:
     """Prompt + response tokens of the longest trajectory a rollout may produce."""
     d = cfg.data
@@ -95,6 +108,12 @@ def implied_settings(cfg: Config) -> list[str]:
            "colocated": "every trainer rank feeds the SGLang engine rank on its GPU"}[route]
     source = "rollout.weight_sync_route" if r.weight_sync_route != "auto" else "rollout.weight_sync_route=auto"
     lines.append(f"weight sync route: {route}, {how} ({source})")
+    if long_tail_enabled(cfg):
+        lt = r.long_tail
+        kept = (f"partial rollouts carried and continued next round, tokens at most {carried_staleness(cfg)} "
+                f"version(s) behind" if lt.partial_rollout else "what the abort left is discarded")
+        lines.append(f"long tail: {lt.over_sampling_groups} extra group(s) per round, the rest aborted once the "
+                     f"batch's groups are complete; {kept}")
     if sampling_replay_enabled(cfg):
         lines.append(f"sampling replay: on (rollout.sampling_replay={r.sampling_replay}): log-probs over each token's "
                      f"top-p/top-k/min-p support, as the engine sampled")

@@ -172,6 +172,22 @@ class MultiTurnConfig:
 
 
 @dataclass(frozen=True)
+class LongTailConfig:
+    """Cutting the long tail of generation (trainer/rollouts/long_tail.py, docs/long-tail.md)."""
+
+    # Prompt groups submitted per round beyond the ones the batch needs; once those are complete (every sample
+    # finished) the rest are aborted. slime's --over-sampling-batch-size is data.train_batch_size + this. 0 = off.
+    over_sampling_groups: int = 0
+    # Keep what the abort left (partial responses, their log-probs and each token's weight version) and continue it
+    # first next round, under the newer weights (slime's --partial-rollout, APRIL); off = discard it. A carried
+    # sequence's oldest token counts for rollout.max_staleness (at max_staleness 0: one version, with allow_off_policy).
+    partial_rollout: bool = False
+    # partial_rollout with max_staleness 0: the steps then train tokens of the previous weights (off-policy by one
+    # version); refused unless set.
+    allow_off_policy: bool = False
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     engine: Literal["local", "sglang"] = "local"
     n: int = 1  # responses per prompt; verl's default, GRPO needs >= 2 (verl's GRPO examples use 5)
@@ -202,6 +218,7 @@ class RolloutConfig:
     local: LocalEngineConfig = field(default_factory=LocalEngineConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    long_tail: LongTailConfig = field(default_factory=LongTailConfig)
 
 
 @dataclass(frozen=True)

@@ -224,8 +224,32 @@ def _rollout(c: Config, out: list[str]) -> None:
     if r.local.threads < 1:
         out.append(f"rollout.local.threads={r.local.threads} must be >= 1")
     _asynchronous(c, out)
+    _long_tail(c, out)
     if r.engine == "sglang":
         _sglang(c, out)
+
+
+def _long_tail(c: Config, out: list[str]) -> None:
+    """rollout.long_tail: over-sampling and partial rollouts (trainer/rollouts/long_tail.py)."""
+    lt = c.rollout.long_tail
+    if lt.over_sampling_groups < 0:
+        out.append(f"rollout.long_tail.over_sampling_groups={lt.over_sampling_groups} must be >= 0 (0 = off)")
+    if lt.over_sampling_groups == 0 and (lt.partial_rollout or lt.allow_off_policy):
+        out.append("rollout.long_tail.partial_rollout / allow_off_policy need rollout.long_tail.over_sampling_groups "
+                   "> 0 (partial rollouts are what the over-sampling's abort leaves)")
+        return
+    if lt.over_sampling_groups == 0:
+        return
+    if c.rollout.multi_turn.environment is not None:
+        out.append("rollout.long_tail with rollout.multi_turn is not supported yet (an episode's turn would have to be "
+                   "continued across rounds); set rollout.long_tail.over_sampling_groups=0")
+    if lt.partial_rollout and c.actor.moe_routing_replay:
+        out.append("rollout.long_tail.partial_rollout with actor.moe_routing_replay=true: a continued sequence's "
+                   "prefix would be routed again under the new weights, not as it was generated; turn one off")
+    if lt.partial_rollout and c.rollout.max_staleness == 0 and not lt.allow_off_policy:
+        out.append("rollout.long_tail.partial_rollout=true with rollout.max_staleness=0: carried tokens come from the "
+                   "previous weights, which makes the on-policy step off-policy by one version; set "
+                   "rollout.long_tail.allow_off_policy=true to accept that, or use max_staleness >= 1")
 
 
 # SGLang returns sampling supports only for a finite top_k <= --sampling-mask-max-tokens (default 4096).

@@ -9,8 +9,10 @@ trainer trains, and takes new weights between generate calls.
     stage senders  --- HF-named tensors, shared memory ->  WeightReceiver (rollout/shared_weights.py)
     (one per pipeline stage, any trainer rank)
 
-Samples carry the weight version they were generated with (one version per generate call). The
-process dies with the trainer (parent-death signal) and logs to `log_path`.
+Samples carry the weight version they were generated with (one version per generate call). A
+generate call's requests are reported as each finishes (RequestFinished messages before the call's
+answer), so the caller scores them, or stops the call, while the rest generate. The process dies
+with the trainer (parent-death signal) and logs to `log_path`.
 """
 from __future__ import annotations
 
@@ -30,10 +32,9 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Sequence
 
 from megatron_grpo.errors import MegatronGRPOError
-from megatron_grpo.rollout.engine import (NamedTensors, RequestDone, RolloutEngine, StagedWeightUpdates,
-                                          report_each_request)
+from megatron_grpo.rollout.engine import NamedTensors, RequestDone, RolloutEngine, StagedWeightUpdates
 from megatron_grpo.rollout.shared_weights import SharedWeightSender, WeightEndpoint
-from megatron_grpo.rollout.types import EngineHealth, GenerationRequest, Sample
+from megatron_grpo.rollout.types import EngineHealth, GenerationRequest, RequestFinished, Sample
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class EngineSpec:
     log_path: str | None = None
     record_routed_experts: bool = True  # a MoE model's routes in each sample (routing replay)
     fp32_lm_head: bool = False  # model.fp32_lm_head: the LM head's matmul in fp32
+
+
+_CALL_ANSWERED = object()  # ends a generate call's progress queue
 
 
 @dataclass
@@ -97,6 +101,7 @@ class ProcessEngine(RolloutEngine, StagedWeightUpdates):
         self._send_lock = threading.Lock()
         self._calls = itertools.count()
         self._pending: dict[int, Future] = {}
+        self._progress: dict[int, queue.Queue] = {}  # generate calls: RequestFinished, then _CALL_ANSWERED
         self._dead: str | None = None
         self._conn.send(asdict(spec))
         try:
@@ -142,7 +147,18 @@ class ProcessEngine(RolloutEngine, StagedWeightUpdates):
                 call_id, error, payload = self._conn.recv()
             except (EOFError, OSError):
                 break
+            except Exception as exc:  # noqa: BLE001 - e.g. an answer that does not unpickle: fail the calls, not hang
+                log.error("local rollout engine process: unreadable answer (%s: %s)", type(exc).__name__, exc)
+                break
+            if isinstance(payload, RequestFinished):
+                progress = self._progress.get(call_id)
+                if progress is not None:
+                    progress.put(payload)
+                continue
             future = self._pending.pop(call_id, None)
+            progress = self._progress.pop(call_id, None)
+            if progress is not None:
+                progress.put(_CALL_ANSWERED)
             if future is None:
                 continue
             if error:
@@ -155,13 +171,20 @@ class ProcessEngine(RolloutEngine, StagedWeightUpdates):
         for future in list(self._pending.values()):
             future.set_exception(EngineProcessError(self._dead))
         self._pending.clear()
+        for progress in list(self._progress.values()):
+            progress.put(_CALL_ANSWERED)
+        self._progress.clear()
 
-    def _call(self, command: str, *args: Any, timeout_s: float | None = None) -> Any:
+    def _call(self, command: str, *args: Any, timeout_s: float | None = None,
+              on_request_done: RequestDone | None = None) -> Any:
         if self._dead:
             raise EngineProcessError(self._dead)
         future: Future = Future()
         call_id = next(self._calls)
         self._pending[call_id] = future
+        progress: queue.Queue | None = None
+        if on_request_done is not None:
+            progress = self._progress[call_id] = queue.Queue()
         try:
             with self._send_lock:
                 self._conn.send((call_id, command, args))
@@ -170,7 +193,11 @@ class ProcessEngine(RolloutEngine, StagedWeightUpdates):
             raise EngineProcessError(f"cannot reach the local rollout engine process ({exc!r})") from None
         if self._dead:  # died between the check and the send: the reader may have missed this call
             self._pending.pop(call_id, None)
+            self._progress.pop(call_id, None)
             raise EngineProcessError(self._dead)
+        # Told on this (the caller's) thread, not the reader's: a callback may call the engine (abort).
+        while progress is not None and (item := progress.get()) is not _CALL_ANSWERED:
+            on_request_done(item.index, item.samples)
         try:
             return future.result(timeout=timeout_s)
         except TimeoutError:
@@ -181,9 +208,11 @@ class ProcessEngine(RolloutEngine, StagedWeightUpdates):
     def generate(self, requests: Sequence[GenerationRequest],
                  on_request_done: RequestDone | None = None) -> list[Sample]:
         """Samples of `requests`, with the newest weights pushed completely before the call."""
-        samples, info = self._call("generate", list(requests))
+        # the process sends each finished request's samples only when someone listens (a second pickling)
+        samples, info = self._call("generate", list(requests), on_request_done is not None,
+                                   on_request_done=on_request_done)
         self.last_generate = GenerateInfo(**info)
-        return report_each_request(requests, samples, on_request_done)
+        return samples
 
     def abort(self) -> None:
         """Ends the running generate call (its unfinished samples come back as 'abort')."""
@@ -329,20 +358,21 @@ class _EngineServer:
 
     def _work_loop(self) -> None:
         while (item := self.work.get()) is not None:
-            call_id, (requests,) = item
+            call_id, (requests, report) = item
             try:
-                self.reply(call_id, None, self._generate(requests))
+                self.reply(call_id, None, self._generate(call_id, requests, report))
             except Exception as exc:  # noqa: BLE001 - reported to the trainer, which raises
                 self.reply(call_id, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
 
-    def _generate(self, requests):
+    def _generate(self, call_id: int, requests, report: bool):
         start = time.perf_counter()
         newest = self.receiver.newest_version
         if newest is not None and newest != self.applied:
             self.applied = self.receiver.apply_front(self.engine.load_weights)
         applied_s = time.perf_counter() - start
         start = time.perf_counter()
-        samples = self.engine.generate(requests)
+        samples = self.engine.generate(
+            requests, (lambda index, done: self.reply(call_id, None, RequestFinished(index, done))) if report else None)
         return samples, asdict(GenerateInfo(weight_version=self.engine.weight_version, apply_weights_s=applied_s,
                                             generate_s=time.perf_counter() - start))
 

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from megatron_grpo.convert.fused_experts import fuse_expert_tensors
-from megatron_grpo.rollout.engine import NamedTensors, RequestDone, RolloutEngine, report_each_request
+from megatron_grpo.rollout.engine import NamedTensors, RequestDone, RolloutEngine
 from megatron_grpo.rollout.kept_kv import KeptPrefix, KeptPrefixes
 from megatron_grpo.rollout.sampling import make_state, sample_tokens
 from megatron_grpo.rollout.types import (EngineHealth, GenerationRequest, Sample, SamplingParams,
@@ -44,6 +44,46 @@ class _Row:
     finish: str | None = None
     routed: list[torch.Tensor] = field(default_factory=list)  # MoE: [positions, layers, k] pieces
     matched: int | str | None = None
+
+
+class _FinishedRequests:
+    """The samples of one generate call, told to on_request_done request by request as soon as all of
+    a request's rows have finished (each request once; poll() after rows may have finished)."""
+
+    def __init__(self, requests: Sequence[GenerationRequest], rows: list[_Row], version: int,
+                 on_request_done: RequestDone | None):
+        self.requests, self.rows, self.version, self.on_request_done = requests, rows, version, on_request_done
+        self._open = [req.sampling.n for req in requests]  # unfinished rows per request
+        self._seen: set[int] = set()
+        self._built: dict[int, Sample] = {}
+
+    def poll(self, rows: Sequence[_Row]) -> None:
+        for row in rows:
+            if row.finish is None or id(row) in self._seen:
+                continue
+            self._seen.add(id(row))
+            self._open[row.request_index] -= 1
+            if self._open[row.request_index] == 0 and self.on_request_done is not None:
+                self.on_request_done(row.request_index, self._request_samples(row.request_index))
+
+    def samples(self) -> list[Sample]:
+        return [self._sample(r) for r in self.rows]
+
+    def _request_samples(self, index: int) -> list[Sample]:
+        return [self._sample(r) for r in self.rows if r.request_index == index]
+
+    def _sample(self, r: _Row) -> Sample:
+        # routes as numpy int32: a torch tensor would cross the engine process's pipe through torch's
+        # shared-memory reduction (fd passing), which the trainer's process cannot authenticate
+        if id(r) not in self._built:
+            request = self.requests[r.request_index]
+            self._built[id(r)] = Sample(
+                group_id=request.group_id, sample_index=r.sample_index, prompt_ids=list(request.prompt_ids),
+                response_ids=r.response, logprobs=r.logprobs, finish_reason=r.finish, weight_version=self.version,
+                matched_stop=r.matched, routed_experts=torch.cat(r.routed).numpy() if r.routed else None,
+                behaviour_logprobs=r.behaviour if r.params.truncated else None,
+                sampling_support=r.support if request.return_support else None, engine="local")
+        return self._built[id(r)]
 
 
 def _names_per_storage(model: torch.nn.Module) -> dict[str, list[str]]:
@@ -153,6 +193,8 @@ class LocalEngine(RolloutEngine):
 
     def generate(self, requests: Sequence[GenerationRequest],
                  on_request_done: RequestDone | None = None) -> list[Sample]:
+        """Every request's samples; on_request_done hears of each request as soon as its last row has
+        finished (mid-call: the rollout phase scores it, or stops the call once enough groups are in)."""
         for req in requests:
             if req.sampling.stop and self.tokenizer is None:
                 raise ValueError(f"request {req.group_id!r} has stop strings {req.sampling.stop} but the local "
@@ -161,24 +203,15 @@ class LocalEngine(RolloutEngine):
         seeds = [self._row_seed(req) for req in requests]
         epoch = self._abort_epoch
         with self._lock, torch.inference_mode():
+            reporter = _FinishedRequests(requests, rows, self._version, on_request_done)
             for chunk in self._chunks(rows):
                 if self._abort_epoch != epoch:
                     for row in chunk:
                         row.finish = "abort"
+                    reporter.poll(chunk)
                     continue
-                self._decode(requests, chunk, seeds, epoch)
-        version = self._version
-        # routes as numpy int32: a torch tensor would cross the engine process's pipe through torch's
-        # shared-memory reduction (fd passing), which the trainer's process cannot authenticate
-        samples = [Sample(group_id=requests[r.request_index].group_id, sample_index=r.sample_index,
-                          prompt_ids=list(requests[r.request_index].prompt_ids), response_ids=r.response,
-                          logprobs=r.logprobs, finish_reason=r.finish, weight_version=version,
-                          matched_stop=r.matched, routed_experts=torch.cat(r.routed).numpy() if r.routed else None,
-                          behaviour_logprobs=r.behaviour if r.params.truncated else None,
-                          sampling_support=r.support if requests[r.request_index].return_support else None,
-                          engine="local")
-                   for r in rows]
-        return report_each_request(requests, samples, on_request_done)
+                self._decode(requests, chunk, seeds, epoch, reporter)
+        return reporter.samples()
 
     def abort(self) -> None:
         """Ends every generate() call begun before this one (running, or waiting for the model):
@@ -250,7 +283,8 @@ class LocalEngine(RolloutEngine):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         return out.logits[:, -1].float()
 
-    def _decode(self, requests: Sequence[GenerationRequest], rows: list[_Row], seeds: list[int], epoch: int) -> None:
+    def _decode(self, requests: Sequence[GenerationRequest], rows: list[_Row], seeds: list[int], epoch: int,
+                reporter: "_FinishedRequests") -> None:
         device = self.device
         request_ids = sorted({r.request_index for r in rows})
         slot_of = {req_index: slot for slot, req_index in enumerate(request_ids)}
@@ -296,7 +330,9 @@ class LocalEngine(RolloutEngine):
             alive = [i for i, row in enumerate(batch) if row.finish is None]
             if not alive:
                 self._keep_kv(requests, batch, range(len(batch)), cache, mask)
+                reporter.poll(batch)
                 return
+            reporter.poll(batch)
             if len(batch) - len(alive) >= _COMPACT_FRACTION * len(batch):
                 finished = [i for i, row in enumerate(batch) if row.finish is not None]
                 self._keep_kv(requests, batch, finished, cache, mask)

@@ -129,6 +129,9 @@ class Sample:
     sampling_support: list[list[int]] | None = None
     # Which engine generated it (a server URL, or "local"): the mismatch health splits by engine.
     engine: str = ""
+    # Partial rollouts (trainer/rollouts/long_tail.py): the weight version of each response token when the
+    # response spans several (weight_version is then the oldest). None: every token is weight_version's.
+    token_versions: list[int] | None = None
 
     @property
     def sampled_logprobs(self) -> list[float]:
@@ -141,11 +144,21 @@ class Sample:
         if len(self.response_ids) != len(self.logprobs):
             raise ValueError(f"sample {self.group_id!r}/{self.sample_index}: {len(self.response_ids)} "
                              f"response ids but {len(self.logprobs)} log-probs")
-        for name in ("behaviour_logprobs", "sampling_support"):
+        for name in ("behaviour_logprobs", "sampling_support", "token_versions"):
             values = getattr(self, name)
             if values is not None and len(values) != len(self.response_ids):
                 raise ValueError(f"sample {self.group_id!r}/{self.sample_index}: {len(self.response_ids)} "
                                  f"response ids but {len(values)} {name}")
+
+
+@dataclass(frozen=True)
+class RequestFinished:
+    """Sent by the local engine's process during a generate call (rollout/engine_process.py): request
+    `index`'s samples are final. Defined here, not in that module: the process runs it as __main__,
+    where a class would not unpickle in the trainer."""
+
+    index: int
+    samples: list[Sample]
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megatron_grpo.algo import AdvantageConfig, GlobalBatchInfo, GRPOLossConfig, PolicyClipConfig
 from megatron_grpo.config import to_dict
-from megatron_grpo.config.derived import overlong_cap, sampling_replay_enabled
+from megatron_grpo.config.derived import carried_staleness, long_tail_enabled, overlong_cap, sampling_replay_enabled
 from megatron_grpo.config.schema import Config
 from megatron_grpo.config.validate import PENALISED_FILTER_METRICS
 from megatron_grpo.errors import RolloutFailure
@@ -38,6 +38,7 @@ from megatron_grpo.trainer.metrics import MetricsLogger, NullLogger, SinkOptions
 from megatron_grpo.trainer.batches.micro_batches import padding_metrics, plan_micro_batches
 from megatron_grpo.trainer.state.resume import resume
 from megatron_grpo.trainer.engines.local_engine import trainer_threads
+from megatron_grpo.trainer.rollouts.long_tail import LongTailSettings
 from megatron_grpo.trainer.rollouts.rollout_phase import RolloutSettings, collect_rollout_batch, multi_turn_settings
 from megatron_grpo.trainer.rollouts.rollout_pipeline import RolloutPipeline
 from megatron_grpo.trainer.setup import Run, build_run, first_mini_batch_has_old_pass, old_logprobs_needed
@@ -217,9 +218,12 @@ def _rollout_batch(run: Run, step: int, pipeline: RolloutPipeline | None, phase:
     """Rank 0: this step's batch, from the pipeline (asynchronous) or generated now."""
     if pipeline is not None:
         return pipeline.next_batch(step)
+    # partial rollouts at max_staleness 0 (allow_off_policy): carried tokens at most one version old
+    lag = carried_staleness(run.config)
     return collect_rollout_batch(run.engine, lambda: next(run.sampler), run.tokenizer,
                                  PhasedRewards(run.rewards, lambda name: phase(name, step)),
-                                 rollout_settings(run.config), step, run.config.data.train_batch_size)
+                                 rollout_settings(run.config), step, run.config.data.train_batch_size,
+                                 min_weight_version=None if lag is None else step - 1 - lag, carry=run.carry_over)
 
 
 class PhasedRewards:
@@ -259,7 +263,15 @@ def rollout_settings(cfg: Config) -> RolloutSettings:
                            sampling_replay=sampling_replay_enabled(cfg), multi_turn=multi_turn_settings(cfg),
                            overlong=overlong_penalty(cfg),
                            filter_on_penalised=cfg.algorithm.filter_groups.metric in PENALISED_FILTER_METRICS,
-                           score_while_generating=cfg.reward.score_while_generating)
+                           score_while_generating=cfg.reward.score_while_generating,
+                           long_tail=long_tail_settings(cfg))
+
+
+def long_tail_settings(cfg: Config) -> LongTailSettings | None:
+    lt = cfg.rollout.long_tail
+    if not long_tail_enabled(cfg):
+        return None
+    return LongTailSettings(over_sampling_groups=lt.over_sampling_groups, partial_rollout=lt.partial_rollout)
 
 
 def overlong_penalty(cfg: Config) -> OverlongPenalty | None:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from megatron_grpo.rewards.combined import CombinedRewards
     from megatron_grpo.rewards.runner import RewardRunner
     from megatron_grpo.rollout.engine import RolloutEngine
+    from megatron_grpo.trainer.rollouts.long_tail import CarryOver
     from megatron_grpo.trainer.state.resume_plan import Candidate
     from megatron_grpo.trainer.state.run_lock import HeldFolders
     from megatron_grpo.trainer.sync.stage_sync import StageSync
@@ -43,6 +44,9 @@ class Rank0Parts:
     rewards: RewardRunner | CombinedRewards  # CombinedRewards with reward.models
     sampler: PromptSampler[EncodedPrompt]
     eval_prompts: list[EncodedPrompt] | None
+    # rollout.long_tail: prompts drawn but not started and carried groups (trainer/rollouts/long_tail.py);
+    # None when the long tail is not cut
+    carry_over: CarryOver | None = None
 
     def close(self) -> None:
         try:
@@ -102,6 +106,14 @@ class Run:
     @property
     def eval_prompts(self) -> list[EncodedPrompt] | None:
         return self._rank0().eval_prompts
+
+    @property
+    def carry_over(self) -> CarryOver | None:
+        return self._rank0().carry_over
+
+    @carry_over.setter
+    def carry_over(self, value: CarryOver | None) -> None:
+        self._rank0().carry_over = value
 
     def close(self) -> None:
         if self.rank0 is not None:
@@ -318,4 +330,9 @@ def build_rank0_parts(cfg: Config, prompts: tuple[list[EncodedPrompt], list[Enco
     except BaseException:
         rewards.close()  # its worker processes would outlive the failed start
         raise
-    return Rank0Parts(engine=engine, rewards=rewards, sampler=sampler, eval_prompts=eval_prompts)
+    from megatron_grpo.config.derived import long_tail_enabled
+    from megatron_grpo.trainer.rollouts.long_tail import CarryOver
+
+    carry_over = CarryOver() if long_tail_enabled(cfg) else None
+    return Rank0Parts(engine=engine, rewards=rewards, sampler=sampler, eval_prompts=eval_prompts,
+                      carry_over=carry_over)

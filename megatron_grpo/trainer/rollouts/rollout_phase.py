@@ -25,6 +25,8 @@ from megatron_grpo.rewards.runner import RewardRequest, RewardRunner
 from megatron_grpo.rollout.engine import RolloutEngine
 from megatron_grpo.rollout.types import GenerationRequest, Sample, SamplingParams, derive_sample_seed
 from megatron_grpo.trainer.batches.batching import TrainSample
+from megatron_grpo.trainer.rollouts.long_tail import (CarryOver, LongTailSettings, generate_cutting_the_tail,
+                                                      version_lag_metrics)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class RolloutSettings:
     filter_on_penalised: bool = False
     # reward.score_while_generating: each group is scored as soon as its samples are in
     score_while_generating: bool = True
+    # rollout.long_tail: over-sampling and partial rollouts (long_tail.py); None = every group runs to the end
+    long_tail: LongTailSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -87,9 +91,13 @@ class RolloutBatch:
 
 def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, rewards: RewardRunner,
                           settings: RolloutSettings, step: int, num_prompts: int, *,
-                          min_weight_version: int | None = None, in_trainer_thread: bool = True) -> RolloutBatch:
+                          min_weight_version: int | None = None, in_trainer_thread: bool = True,
+                          carry: CarryOver | None = None) -> RolloutBatch:
     """Generates, scores and computes advantages for `num_prompts` prompt groups. Off the trainer's
-    thread (in_trainer_thread=False) megatron's CPU device mode is not active, so nothing is paused."""
+    thread (in_trainer_thread=False) megatron's CPU device mode is not active, so nothing is paused.
+    With settings.long_tail, `carry` holds what earlier rounds left (long_tail.py) and what this one leaves."""
+    if settings.long_tail is not None and carry is None:
+        raise MegatronGRPOError("rollout.long_tail: the rollout phase was given no carry-over state (a bug)")
     kept_samples: list[Sample] = []
     kept_scores: list[float] = []
     kept_masks: list[list[bool] | None] = []  # multi-turn: which response ids the engine generated
@@ -105,8 +113,14 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
                 f"dynamic sampling: only {len(kept_samples) // settings.n} of {num_prompts} prompt groups had "
                 f"non-zero reward variance after {settings.max_generation_rounds} generation rounds "
                 f"(algorithm.filter_groups.max_num_gen_batches); the task may be too easy or too hard")
-        prompts: list[EncodedPrompt] = next_prompts()
-        if settings.multi_turn is not None:
+        prompts: list[EncodedPrompt] = next_prompts() if settings.long_tail is None else []
+        if settings.long_tail is not None:
+            samples, round_scores, round_metrics = _long_tail_round(
+                engine, carry, next_prompts, num_prompts - len(kept_samples) // settings.n, tokenizer, rewards,
+                settings, step, rounds, timings, min_weight_version, in_trainer_thread)
+            dropped_stale += int(round_metrics.pop("rollout/dropped_stale"))
+            masks = [None] * len(samples)
+        elif settings.multi_turn is not None:
             samples, round_scores, masks, round_metrics = _multi_turn_round(
                 engine, prompts, tokenizer, settings, step, rounds, timings, in_trainer_thread)
         else:
@@ -153,6 +167,8 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
     metrics["rollout/weight_version_min"] = float(min(s.weight_version for s in kept_samples))
     metrics["rollout/weight_version_max"] = float(max(s.weight_version for s in kept_samples))
     metrics.update(advantage_metrics(advantages))
+    if settings.long_tail is not None:
+        metrics.update(version_lag_metrics(kept_samples, step - 1))
     train_samples = [TrainSample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
                                  advantage=float(a), rollout_logprobs=_engine_logprobs(s, settings),
                                  behaviour_logprobs=s.behaviour_logprobs,
@@ -220,6 +236,57 @@ def _single_turn_round(engine, prompts, tokenizer, rewards, settings, step, roun
     metrics = dict(result.metrics)
     metrics.update(_response_stats(samples, settings.sampling.max_new_tokens))
     return samples, list(result.scores), metrics
+
+
+def _long_tail_round(engine, carry, next_prompts, needed, tokenizer, rewards, settings, step, rounds, timings,
+                     min_weight_version, in_trainer_thread):
+    """One round that over-samples and cuts the tail (long_tail.py): (samples, scores, metrics) of the
+    `needed` groups it completed or took from the carried ones, n samples each, in group order. Groups
+    completed during the call are scored as they complete (score_while_generating); carried complete
+    groups keep the scores they got; the rest are scored after the call."""
+    start = time.perf_counter()
+    stream = rewards.stream() if settings.score_while_generating else None
+    submitted = []  # groups in the stream, in key order
+
+    def score_group(key, group) -> None:  # on the engine's thread
+        submitted.append((key, group))
+        stream.submit(key, [reward_request(s, group.prompt, tokenizer) for s in group.samples])
+
+    def make_request(prompt: EncodedPrompt, index: int) -> GenerationRequest:
+        return GenerationRequest(prompt_ids=prompt.input_ids, sampling=_seeded(settings.sampling, step, rounds, index),
+                                 group_id=f"{step}:{rounds}:{index}", return_support=settings.sampling_replay)
+
+    try:
+        result = generate_cutting_the_tail(engine, carry, next_prompts, needed, settings.long_tail, settings.sampling,
+                                           make_request, score_group if stream is not None else None,
+                                           min_version=min_weight_version, in_trainer_thread=in_trainer_thread)
+    except BaseException:
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.result()  # stops its pool thread; the generation error is what matters
+        raise
+    generated = time.perf_counter()
+    timings["time/rollout"] += generated - start
+    metrics = dict(result.metrics)
+    if stream is not None:
+        scored = stream.result()
+        metrics.update(scored.metrics)
+        offset = 0
+        for _, group in sorted(submitted, key=lambda item: item[0]):
+            group.scores = scored.scores[offset:offset + len(group.samples)]
+            offset += len(group.samples)
+    unscored = [g for g in result.groups if g.scores is None]
+    if unscored:
+        scored = rewards.score([reward_request(s, g.prompt, tokenizer) for g in unscored for s in g.samples])
+        metrics.update(scored.metrics)
+        offset = 0
+        for group in unscored:
+            group.scores = scored.scores[offset:offset + len(group.samples)]
+            offset += len(group.samples)
+    timings["time/reward"] += time.perf_counter() - generated
+    samples = [s for g in result.groups for s in g.samples]
+    metrics.update(_response_stats(samples, settings.sampling.max_new_tokens) if samples else {})
+    return samples, [score for g in result.groups for score in g.scores], metrics
 
 
 def _multi_turn_round(engine, prompts, tokenizer, settings, step, rounds, timings, in_trainer_thread):

@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from megatron_grpo.errors import MegatronGRPOError
+from megatron_grpo.trainer.rollouts.long_tail import CarryOver
 from megatron_grpo.trainer.rollouts.rollout_phase import RolloutBatch, RolloutSettings, collect_rollout_batch
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class _Stopped(Exception):
 class _Made:
     batch: RolloutBatch
     sampler_state: dict  # the producer's sampler right after this batch's prompts
+    carry_state: dict | None  # rollout.long_tail: what the producer carried on right after this batch
 
 
 class RolloutPipeline:
@@ -65,6 +67,10 @@ class RolloutPipeline:
         self.max_staleness = max_staleness
         self.last_step = run.total_steps
         self._sampler = copy.copy(run.sampler)  # shares the prompts; positions are its own
+        self._carry = None  # rollout.long_tail: the producer's own carried groups, from the run's (checkpointed)
+        if run.carry_over is not None:
+            self._carry = CarryOver()
+            self._carry.load_state_dict(run.carry_over.state_dict())
         self._published = start_step  # the weight version the engine holds (restored / start)
         self._start = start_step
         self._made: dict[int, _Made | BaseException] = {}
@@ -91,6 +97,8 @@ class RolloutPipeline:
         if isinstance(made, BaseException):
             raise made
         self.run.sampler.load_state_dict(made.sampler_state)
+        if made.carry_state is not None:
+            self.run.carry_over.load_state_dict(made.carry_state)
         batch = made.batch
         staleness = [step - 1 - v for v in batch.versions]
         batch.metrics["staleness/mean"] = sum(staleness) / len(staleness)
@@ -142,10 +150,12 @@ class RolloutPipeline:
                     start = time.perf_counter()
                     batch = collect_rollout_batch(run.engine, self._next_prompts, run.tokenizer, run.rewards,
                                                   self.settings, step, cfg.data.train_batch_size,
-                                                  min_weight_version=needed, in_trainer_thread=False)
+                                                  min_weight_version=needed, in_trainer_thread=False,
+                                                  carry=self._carry)
                     batch.metrics["time/generate"] = time.perf_counter() - start
                     batch.metrics["time/engine_wait_weights"] = waited
-                    made: _Made | BaseException = _Made(batch, self._sampler.state_dict())
+                    made: _Made | BaseException = _Made(batch, self._sampler.state_dict(),
+                                                        self._carry.state_dict() if self._carry is not None else None)
             except _Stopped:
                 return
             except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which raises it

@@ -245,6 +245,8 @@ class Checkpointer:
             "step": step,
             "scheduler": run.scheduler.state_dict(),
             "sampler": run.sampler.state_dict() if run.is_main else None,
+            # rollout.long_tail: prompts drawn but not started and carried partial groups (long_tail.py)
+            "carry_over": run.carry_over.state_dict() if run.is_main and run.carry_over is not None else None,
             "engine_weight_version": run.engine.weight_version if run.is_main else step,
             "skipped_updates": guard.state_dict() if guard is not None else None,
             "kl_ctrl": run.kl_controller.state_dict() if run.kl_controller is not None else None,
@@ -335,6 +337,8 @@ class Checkpointer:
         self.run.scheduler.step(increment=int(trainer_state["scheduler"]["num_steps"]))
         if self.run.is_main and candidate.sampler_state is not None:
             self.run.sampler.load_state_dict(candidate.sampler_state)
+            if self.run.carry_over is not None and trainer_state.get("carry_over") is not None:
+                self.run.carry_over.load_state_dict(trainer_state["carry_over"])
         guard = self.run.optimizer if hasattr(self.run.optimizer, "inner") else None
         if guard is not None and trainer_state.get("skipped_updates"):
             guard.load_state_dict(trainer_state["skipped_updates"])
