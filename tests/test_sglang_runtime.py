@@ -233,6 +233,48 @@ def test_multi_turn_trajectories_logprobs_and_greedy_equal_the_local_engine(clus
     engine.close()
 
 
+def test_over_sampling_aborts_the_tail_and_a_partial_response_is_continued(cluster, reference):
+    """rollout.long_tail against the real scheduler: 4 groups for 1, the first with a short budget; its
+    completion aborts the call (/abort_request), and the others come back with what they generated so
+    far. Continued from prompt + partial response (a new request, prefix-cached by the radix cache),
+    each joined response is the partial one extended, and all its log-probs equal one float64 forward."""
+    from megatron_grpo.data.prompts import EncodedPrompt
+    from megatron_grpo.data.records import PromptRecord
+    from megatron_grpo.trainer.rollouts.long_tail import CarryOver, LongTailSettings, generate_cutting_the_tail
+
+    url = cluster["engines"][0]
+    engine = SGLangEngine(client([url]), DiskTransport(client([url]), [EngineTarget(url)], "/nonexistent"),
+                          options=NO_PROBE)
+    prompts = [EncodedPrompt(PromptRecord("t", [{"role": "user", "content": str(i)}], ""), str(i), list(p), False)
+               for i, p in enumerate(PROMPTS + [(9, 8, 7, 6)])]
+    long = SamplingParams(n=2, max_new_tokens=LONG, ignore_eos=True)
+
+    def make_request(prompt, index):
+        budget = 4 if index == 0 else LONG
+        return GenerationRequest(tuple(prompt.input_ids), dataclasses.replace(long, max_new_tokens=budget), f"g{index}")
+
+    carry = CarryOver()
+    first = generate_cutting_the_tail(engine, carry, lambda: prompts, 1, LongTailSettings(3, True), long, make_request,
+                                      in_trainer_thread=False)
+    assert [g.prompt.text for g in first.groups] == ["0"] and len(carry.groups) == 3
+    partial = {(g.prompt.text, s.sample_index): s for g in carry.groups for s in g.samples}
+    assert all(s.finish_reason == "abort" for s in partial.values())
+    assert sum(len(s.response_ids) for s in partial.values()) > 0, "the abort came before any token: nothing to test"
+    longest = max(len(s.response_ids) for s in partial.values())
+    rest = dataclasses.replace(long, max_new_tokens=longest + 3)  # each continuation: at most 3 + what it lacks
+    second = generate_cutting_the_tail(engine, carry, lambda: [], 3, LongTailSettings(0, True), rest, make_request,
+                                       in_trainer_thread=False)
+    assert len(second.groups) == 3 and not carry.groups
+    for group in second.groups:
+        for sample in group.samples:
+            before = partial[(group.prompt.text, sample.sample_index)]
+            k = len(before.response_ids)
+            assert sample.finish_reason == "length" and len(sample.response_ids) == longest + 3
+            assert sample.response_ids[:k] == before.response_ids and sample.logprobs[:k] == before.logprobs
+            assert_logprobs_match(reference, sample)
+    engine.close()
+
+
 def test_4xx_is_not_retried_and_names_the_url(cluster):
     url = cluster["engines"][0]
     with pytest.raises(SGLangError, match=rf"{url}/generate: HTTP 401") as info:

@@ -132,6 +132,8 @@ def generate_cutting_the_tail(engine: RolloutEngine, carry: CarryOver, next_prom
         with cuda_redirect_paused() if in_trainer_thread else contextlib.nullcontext():
             returned = engine.generate(requests, tracker.request_done)
         tracker.take_all(returned, requests)
+        metrics["rollout/busy_frac"] = busy_fraction(returned)
+        metrics["rollout/long_tail/generated_tokens"] = float(sum(len(s.response_ids) for s in returned))
 
     order = tracker.completion_order()
     done = [g for g in order if groups[g].complete]
@@ -240,6 +242,17 @@ def _joined(partial: Sample, new: Sample) -> Sample:
                   matched_stop=new.matched_stop,
                   behaviour_logprobs=None if both_exact else partial.sampled_logprobs + new.sampled_logprobs,
                   sampling_support=supports, engine=new.engine, token_versions=versions)
+
+
+def busy_fraction(returned: Sequence[Sample]) -> float:
+    """Tokens one generate call produced over what its sequences could have produced while the call
+    lasted (sequences x the longest one): the share of the call's decode slots in use. Exact for
+    the local engine, whose rows decode in lockstep; for SGLang an estimate (requests start and end
+    at different times)."""
+    longest = max((len(s.response_ids) for s in returned), default=0)
+    if not longest:
+        return 1.0
+    return sum(len(s.response_ids) for s in returned) / (len(returned) * longest)
 
 
 def token_versions(sample: Sample) -> list[int]:

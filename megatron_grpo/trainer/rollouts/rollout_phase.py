@@ -25,8 +25,8 @@ from megatron_grpo.rewards.runner import RewardRequest, RewardRunner
 from megatron_grpo.rollout.engine import RolloutEngine
 from megatron_grpo.rollout.types import GenerationRequest, Sample, SamplingParams, derive_sample_seed
 from megatron_grpo.trainer.batches.batching import TrainSample
-from megatron_grpo.trainer.rollouts.long_tail import (CarryOver, LongTailSettings, generate_cutting_the_tail,
-                                                      version_lag_metrics)
+from megatron_grpo.trainer.rollouts.long_tail import (CarryOver, LongTailSettings, busy_fraction,
+                                                      generate_cutting_the_tail, version_lag_metrics)
 
 
 @dataclass(frozen=True)
@@ -235,6 +235,7 @@ def _single_turn_round(engine, prompts, tokenizer, rewards, settings, step, roun
     timings["time/reward"] += time.perf_counter() - generated
     metrics = dict(result.metrics)
     metrics.update(_response_stats(samples, settings.sampling.max_new_tokens))
+    metrics["rollout/busy_frac"] = busy_fraction(samples)
     return samples, list(result.scores), metrics
 
 

@@ -1,0 +1,115 @@
+"""Cutting the long tail of generation, side by side in one run (rollout.long_tail, docs/long-tail.md).
+
+Each mode trains the embedded default's task (`recipes/tiny_cpu.yaml`, same seed, same steps) through
+the real CLI with longer responses (data.max_response_length, default 48), so that the fresh policy's
+response lengths have a tail: it stops only when it samples its end-of-sequence token (or the
+cap), so lengths are geometric-like with a long right tail, and a step's rollout lasts as long as
+its longest few sequences. Modes:
+    plain          every group runs to its end
+    over_sampling  rollout.long_tail.over_sampling_groups = a quarter of the batch; once the batch's
+                   groups are complete the rest are aborted and discarded
+    partial        the same, and what the abort left is carried and continued next step
+                   (partial_rollout, allow_off_policy: synchronous steps, carried tokens one version old)
+and reports per mode: rollout wall time per step (time/rollout, mean over steps), the engine's busy
+fraction (rollout/busy_frac: tokens generated over sequences x the call's longest, mean over
+steps), the reward after N steps (mean of reward/mean over the last 5), the mismatch cost (the
+fraction of trainer/engine ratios outside [0.9, 1.1] over every trained token: mismatch/staleness_*),
+the share of trained tokens one version old, and the peak RSS of the run. `rollout_speedup` is plain's
+rollout time per step over partial's.
+
+    python benchmarks/bench_long_tail.py --json build/bench_long_tail.json [--steps 40] [--seed 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from bench_async import _peak_rss
+
+REPO = Path(__file__).resolve().parents[1]
+LAST = 5  # steps averaged for the reward after N steps
+
+
+def modes(extra_groups: int) -> dict[str, list[str]]:
+    over = [f"rollout.long_tail.over_sampling_groups={extra_groups}"]
+    return {"plain": [], "over_sampling": over,
+            "partial": [*over, "rollout.long_tail.partial_rollout=true", "rollout.long_tail.allow_off_policy=true"]}
+
+
+def run_mode(name: str, overrides: list[str], args) -> dict:
+    out = args.out / name
+    cmd = [sys.executable, "-m", "megatron_grpo.cli", "train", str(REPO / "recipes" / "tiny_cpu.yaml"),
+           f"trainer.seed={args.seed}", f"trainer.total_steps={args.steps}", f"logging.output_dir={out}",
+           f"data.max_response_length={args.max_response_length}", f"data.train_batch_size={args.batch}",
+           f"actor.ppo_mini_batch_size={args.batch}", f"rollout.n={args.n}", "logging.console=false",
+           "logging.plot=false", "checkpoint.resume=never", "eval.interval=-1", *overrides]
+    peak, stop = [0.0], threading.Event()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    watcher = threading.Thread(target=_peak_rss, args=(proc, peak, stop), daemon=True)
+    watcher.start()
+    _, err = proc.communicate()
+    stop.set()
+    watcher.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed with exit {proc.returncode}:\n{err[-3000:]}")
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in steps if "reward/mean" in r]
+    outside = tokens = lagged = 0.0
+    for record in steps:
+        for key, count in record.items():
+            if key.startswith("mismatch/staleness_") and key.endswith("/tokens"):
+                prefix = key[:-len("tokens")]
+                outside += record[prefix + "ratio_outside_frac"] * count
+                tokens += count
+        lagged += record.get("rollout/token_lag_1_frac", 0.0)
+    return {"rollout_s_per_step": mean(steps, "time/rollout"), "busy_frac": mean(steps, "rollout/busy_frac"),
+            "reward": sum(r["reward/mean"] for r in steps[-LAST:]) / min(LAST, len(steps)),
+            "ratio_outside_frac": outside / tokens if tokens else 0.0,
+            "tokens_one_version_old_frac": lagged / len(steps),
+            "response_length_mean": mean(steps, "response/length_mean"),
+            "peak_rss_mib": peak[0] / 2**20, "steps": len(steps)}
+
+
+def mean(records: list[dict], key: str) -> float:
+    return sum(r[key] for r in records) / len(records)
+
+
+def table(results: dict[str, dict], speedup: float) -> str:
+    lines = ["| mode | rollout s/step | vs plain | busy fraction | reward (last 5) | ratios outside [0.9, 1.1] "
+             "| tokens 1 version old | peak RSS MiB |", "|---|---|---|---|---|---|---|---|"]
+    plain = results["plain"]["rollout_s_per_step"]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['rollout_s_per_step']:.3f} | {plain / r['rollout_s_per_step']:.2f}x | "
+                     f"{r['busy_frac']:.2f} | {r['reward']:.3f} | {r['ratio_outside_frac']:.4f} | "
+                     f"{r['tokens_one_version_old_frac']:.3f} | {r['peak_rss_mib']:.0f} |")
+    return "\n".join(lines) + f"\n\nrollout_speedup (plain / partial): {speedup:.2f}x"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, required=True, help="where the figures go")
+    parser.add_argument("--out", type=Path, default=REPO / "build" / "bench_long_tail", help="the runs' folders")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=16, help="prompt groups per step")
+    parser.add_argument("--n", type=int, default=8, help="samples per group")
+    parser.add_argument("--max-response-length", type=int, default=48)
+    args = parser.parse_args()
+    for name, value in (("--steps", args.steps), ("--batch", args.batch), ("--n", args.n),
+                        ("--max-response-length", args.max_response_length)):
+        if value < 1:
+            parser.error(f"{name} must be >= 1, got {value}")
+    results = {name: run_mode(name, overrides, args) for name, overrides in modes(max(1, args.batch // 4)).items()}
+    speedup = results["plain"]["rollout_s_per_step"] / results["partial"]["rollout_s_per_step"]
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({**results, "rollout_speedup": speedup, "settings": vars(args) | {
+        "json": str(args.json), "out": str(args.out)}}, indent=1) + "\n")
+    print(table(results, speedup))
+
+
+if __name__ == "__main__":
+    main()
