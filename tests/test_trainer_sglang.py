@@ -235,10 +235,13 @@ def test_launched_engine_killed_at_random_moments_is_restarted(tmp_path, policy_
     def killer():
         metrics = run / "metrics.jsonl"
         while len(killed) < kills and not done.is_set():
-            logged = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
             groups = _server_groups(port, 2)
-            if len(groups) == 2 and logged > len(killed):  # one kill per step, from step 2 on
-                time.sleep(rng.uniform(0.1, 2.0))
+            if len(groups) == 2 and len(lines) > len(killed):  # one kill per step, from step 2 on
+                # somewhere in the next step: a fixed 2 s window spanned several steps once
+                # steps got faster, and a kill in the last step is followed by no sync
+                step_s = json.loads(lines[-1]).get("time/step", 2.0)
+                time.sleep(rng.uniform(0.1, max(0.2, 0.9 * step_s)))
                 group = rng.choice(groups)
                 os.killpg(group, signal.SIGKILL)
                 killed.append(group)
