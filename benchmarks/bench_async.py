@@ -70,6 +70,21 @@ def _peak_rss(proc: subprocess.Popen, peak: list[float], stop: threading.Event) 
         stop.wait(0.2)
 
 
+def run_with_peak_rss(cmd: list[str], name: str) -> float:
+    """Runs `cmd` in the repository; the peak RSS of its process tree, in MiB. A failed run ends the
+    benchmark naming `name` and the end of its stderr."""
+    peak, stop = [0.0], threading.Event()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    watcher = threading.Thread(target=_peak_rss, args=(proc, peak, stop), daemon=True)
+    watcher.start()
+    _, err = proc.communicate()
+    stop.set()
+    watcher.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed with exit {proc.returncode}:\n{err[-3000:]}")
+    return peak[0] / 2**20
+
+
 def run_dir_of(out: Path, name: str, seed: int) -> Path:
     return out / f"{name.replace(' ', '_').replace(',', '').replace('=', '')}_seed{seed}"
 
@@ -79,15 +94,7 @@ def run_one(name: str, overrides: list[str], seed: int, steps: int, out: Path, t
     cmd = [sys.executable, "-m", "megatron_grpo.cli", "train", str(REPO / "recipes" / "tiny_cpu.yaml"),
            f"trainer.seed={seed}", f"trainer.total_steps={steps}", f"logging.output_dir={run_dir}",
            "logging.console=false", "checkpoint.resume=never", "eval.interval=-1", *overrides]
-    peak, stop = [0.0], threading.Event()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    watcher = threading.Thread(target=_peak_rss, args=(proc, peak, stop), daemon=True)
-    watcher.start()
-    _, err = proc.communicate()
-    stop.set()
-    watcher.join()
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} (seed {seed}) failed with exit {proc.returncode}:\n{err[-3000:]}")
+    peak_mib = run_with_peak_rss(cmd, f"{name} (seed {seed})")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if "reward/mean" in r and "time/step" in r]
     start = train[0]["time"] - train[0]["time/step"]
@@ -101,7 +108,7 @@ def run_one(name: str, overrides: list[str], seed: int, steps: int, out: Path, t
     tokens = sum(r["response/length_mean"] * per_step for r in train)
     return Result(name=name, seed=seed, wall_s=wall, time_to_target_s=time_to, samples_to_target=samples_to,
                   tokens_per_s=tokens / wall, final_reward=sum(r["reward/mean"] for r in train[-10:]) / 10,
-                  peak_rss_mib=peak[0] / 2**20,
+                  peak_rss_mib=peak_mib,
                   dropped_stale=sum(r.get("rollout/dropped_stale", 0.0) for r in train),
                   staleness_mean=sum(r.get("staleness/mean", 0.0) for r in train) / len(train),
                   stale_p99=_mean_of(train, "mismatch/staleness_1/abs_logp_diff_p99"),

@@ -25,12 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
-from bench_async import _peak_rss
+from bench_async import run_with_peak_rss
 
 REPO = Path(__file__).resolve().parents[1]
 SGLANG_PYTHON = REPO / "build" / "sglang-runtime-venv" / "bin" / "python"  # scripts/setup_sglang_runtime.sh
@@ -55,15 +53,7 @@ def run_mode(name: str, overrides: list[str], args) -> dict:
            f"model.override_config.max_position_embeddings={32 + args.max_response_length}",
            f"actor.ppo_mini_batch_size={args.batch}", f"rollout.n={args.n}", "logging.console=false",
            "logging.plot=false", "checkpoint.resume=never", "eval.interval=-1", *overrides]
-    peak, stop = [0.0], threading.Event()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    watcher = threading.Thread(target=_peak_rss, args=(proc, peak, stop), daemon=True)
-    watcher.start()
-    _, err = proc.communicate()
-    stop.set()
-    watcher.join()
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed with exit {proc.returncode}:\n{err[-3000:]}")
+    peak_mib = run_with_peak_rss(cmd, name)
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in steps if "reward/mean" in r]
     outside = tokens = lagged = 0.0
@@ -76,7 +66,7 @@ def run_mode(name: str, overrides: list[str], args) -> dict:
             "ratio_outside_frac": outside / tokens if tokens else 0.0,
             "tokens_one_version_old_frac": lagged / len(steps),
             "response_length_mean": mean(steps, "response/length_mean"),
-            "peak_rss_mib": peak[0] / 2**20, "steps": len(steps)}
+            "peak_rss_mib": peak_mib, "steps": len(steps)}
 
 
 def mean(records: list[dict], key: str) -> float:

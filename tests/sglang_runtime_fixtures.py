@@ -70,17 +70,9 @@ def launch_real_servers(log_dir: str | Path, settings: Sequence[ServerSettings],
 def launch_real_router(log_dir: str | Path, worker_urls: Sequence[str]) -> SGLangLauncher:
     """The runtime venv's sglang-router in front of servers started elsewhere (as slurm/ starts it);
     the caller shuts it down."""
-    from urllib.parse import urlparse
+    from tests.sglang_harness.fixtures import router_in_front
 
-    given = [ServerSettings(model_path="", host=urlparse(u).hostname, port=urlparse(u).port) for u in worker_urls]
-    Path(log_dir).mkdir(parents=True, exist_ok=True)
-    launcher = SGLangLauncher(servers=given, log_dir=log_dir, router=real_router_settings(), env=runtime_env())
-    try:
-        launcher.wait_healthy(timeout_s=120, poll_s=0.5)  # starts only the router: no server was started here
-    except BaseException:
-        launcher.shutdown(grace_s=2)
-        raise
-    return launcher
+    return router_in_front(log_dir, worker_urls, real_router_settings(), runtime_env())
 
 
 def sglang_fused_checksums(model_dir: str | Path, hf_tensors: Mapping[str, torch.Tensor], *,

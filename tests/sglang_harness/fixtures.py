@@ -58,11 +58,17 @@ def router_settings(policy: str = "round_robin", extra_args: Sequence[str] = (),
 def launch_router(log_dir: str | Path, worker_urls: Sequence[str], policy: str = "round_robin") -> SGLangLauncher:
     """The real sglang-router in front of servers started elsewhere (as slurm/ starts it); the
     caller shuts it down."""
+    return router_in_front(log_dir, worker_urls, router_settings(policy), harness_env())
+
+
+def router_in_front(log_dir: str | Path, worker_urls: Sequence[str], router: RouterSettings,
+                    env: Mapping[str, str]) -> SGLangLauncher:
+    """`router` started in front of servers started elsewhere, waited on until ready."""
     from urllib.parse import urlparse
 
     given = [ServerSettings(model_path="", host=urlparse(u).hostname, port=urlparse(u).port) for u in worker_urls]
     Path(log_dir).mkdir(parents=True, exist_ok=True)
-    launcher = SGLangLauncher(servers=given, log_dir=log_dir, router=router_settings(policy), env=harness_env())
+    launcher = SGLangLauncher(servers=given, log_dir=log_dir, router=router, env=dict(env))
     try:
         launcher.wait_healthy(timeout_s=120, poll_s=0.5)  # starts only the router: no server was started here
     except BaseException:

@@ -216,15 +216,9 @@ def _single_turn_round(engine, prompts, tokenizer, rewards, settings, step, roun
     def score_group(index: int, group: list[Sample]) -> None:  # on the engine's thread
         stream.submit(index, [reward_request(s, prompts[index], tokenizer) for s in group])
 
-    try:
-        # the local HF engine needs no megatron CPU shims
-        with cuda_redirect_paused() if in_trainer_thread else contextlib.nullcontext():
-            samples = engine.generate(requests, score_group if stream is not None else None)
-    except BaseException:
-        if stream is not None:
-            with contextlib.suppress(Exception):
-                stream.result()  # stops its pool thread; the generation error is what matters
-        raise
+    # the local HF engine needs no megatron CPU shims
+    with _stream_ended_on_error(stream), cuda_redirect_paused() if in_trainer_thread else contextlib.nullcontext():
+        samples = engine.generate(requests, score_group if stream is not None else None)
     generated = time.perf_counter()
     timings["time/rollout"] += generated - start
 
@@ -237,6 +231,18 @@ def _single_turn_round(engine, prompts, tokenizer, rewards, settings, step, roun
     metrics.update(_response_stats(samples, settings.sampling.max_new_tokens))
     metrics["rollout/busy_frac"] = busy_fraction(samples)
     return samples, list(result.scores), metrics
+
+
+@contextlib.contextmanager
+def _stream_ended_on_error(stream):
+    """A generation that fails ends the reward stream too (its pool thread); its error is what is raised."""
+    try:
+        yield
+    except BaseException:
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.result()
+        raise
 
 
 def _long_tail_round(engine, carry, next_prompts, needed, tokenizer, rewards, settings, step, rounds, timings,
@@ -257,15 +263,10 @@ def _long_tail_round(engine, carry, next_prompts, needed, tokenizer, rewards, se
         return GenerationRequest(prompt_ids=prompt.input_ids, sampling=_seeded(settings.sampling, step, rounds, index),
                                  group_id=f"{step}:{rounds}:{index}", return_support=settings.sampling_replay)
 
-    try:
+    with _stream_ended_on_error(stream):
         result = generate_cutting_the_tail(engine, carry, next_prompts, needed, settings.long_tail, settings.sampling,
                                            make_request, score_group if stream is not None else None,
                                            min_version=min_weight_version, in_trainer_thread=in_trainer_thread)
-    except BaseException:
-        if stream is not None:
-            with contextlib.suppress(Exception):
-                stream.result()  # stops its pool thread; the generation error is what matters
-        raise
     generated = time.perf_counter()
     timings["time/rollout"] += generated - start
     metrics = dict(result.metrics)
