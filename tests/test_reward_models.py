@@ -1,6 +1,6 @@
 """Rewards from models (reward.models, docs/rewards.md): reward models and judges against the real
 components. SGLang 0.5.23's own runtime on this CPU (lane 2, marker sglang_runtime) serves /classify
-for tiny Qwen2 / Qwen3 / Llama *ForSequenceClassification checkpoints and /generate for a tiny judge;
+for tiny Qwen3 / Llama *ForSequenceClassification checkpoints and /generate for a tiny judge;
 their scores are held to HF transformers' in float64.
 Judge parsing meets adversarial answers; combination, failure accounting and timeouts run through
 CombinedRewards; a bad recipe is one line naming the key (exit 2)."""
@@ -31,11 +31,13 @@ from megatron_grpo.rewards.runner import RewardRequest
 from megatron_grpo.testing.floats import assert_close_to_float64, tolerance
 
 REPO = Path(__file__).resolve().parents[1]
-ARCHITECTURES = ("qwen2", "qwen3", "llama")
+# Served by SGLang's own runtime: Qwen3 and Llama (SGLang's Qwen2 classification class is Qwen3's sibling, the
+# same biased head and LAST pooling; one engine start fewer in the cluster lane's budget).
+ARCHITECTURES = ("qwen3", "llama")
 # SGLang's Qwen2 / Qwen3 classification heads are nn.Linear(hidden, 1) WITH a bias; HF checkpoints
 # have none, so SGLang keeps its random initialisation: every score is shifted by one constant.
 # Llama's head has no bias (SGLang's models/qwen2_classification.py, qwen3_classification.py, llama_reward.py).
-BIASED_HEAD = {"qwen2": True, "qwen3": True, "llama": False}
+BIASED_HEAD = {"qwen3": True, "llama": False}
 
 
 def requests_of_the_task() -> list[RewardRequest]:
@@ -354,7 +356,7 @@ REAL_SCORER_FLAGS = ("--dtype", "float32", "--skip-server-warmup")
 
 @pytest.fixture(scope="module")
 def servers(models, tmp_path_factory):
-    """name -> URL of a real CPU server: qwen2, qwen3 (reward models, SGLang's classification flags as the
+    """name -> URL of a real CPU server: qwen3 (a reward model, SGLang's classification flags as the
     scorer passes them) and judge started by the tests' launcher; llama launched by a scorer itself
     (reward.models.<name>.sglang.gpus with device=cpu, the trainer's path), all at the same time. The
     launched scorer is "launched"; closing it at the end must stop its server."""
@@ -366,7 +368,7 @@ def servers(models, tmp_path_factory):
 
     rm_flags = ("--is-embedding", "--random-seed", str(RM_SERVER_SEED))
     settings = {name: real_server_settings(models[name], extra_args=rm_flags if name != "judge" else ())
-                for name in ("qwen2", "qwen3", "judge")}
+                for name in ("qwen3", "judge")}
     # Started from this (the main) thread, then waited for after the scorer's own server: a server
     # started from a helper thread gets its parent-death SIGTERM when that thread ends
     # (launch/lifetime.py), which is how an earlier version of this fixture lost its servers in CI.

@@ -232,16 +232,19 @@ def test_launched_engine_killed_at_random_moments_is_restarted(tmp_path, policy_
     rng = random.Random(int(os.environ.get("FAULT_TEST_SEED", "0")))  # the note reports seeds 0-4
     done, killed = threading.Event(), []
 
-    def killer():
+    def logged() -> int:
         metrics = run / "metrics.jsonl"
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    def killer():
         while len(killed) < kills and not done.is_set():
-            lines = metrics.read_text().splitlines() if metrics.exists() else []
             groups = _server_groups(port, 2)
-            if len(groups) == 2 and len(lines) > len(killed):  # one kill per step, from step 2 on
-                # somewhere in the next step: a fixed 2 s window spanned several steps once
-                # steps got faster, and a kill in the last step is followed by no sync
-                step_s = json.loads(lines[-1]).get("time/step", 2.0)
-                time.sleep(rng.uniform(0.1, max(0.2, 0.9 * step_s)))
+            if len(groups) == 2 and logged() > len(killed):  # one kill per step, from step 2 on
+                # at a random moment, but before the step after next is logged: a sync must follow
+                # the kill (steps of ~0.5 s once let a 2 s delay land after the last one)
+                moment = time.monotonic() + rng.uniform(0.1, 2.0)
+                while time.monotonic() < moment and logged() < len(killed) + 2:
+                    time.sleep(0.02)
                 group = rng.choice(groups)
                 os.killpg(group, signal.SIGKILL)
                 killed.append(group)

@@ -141,8 +141,8 @@ def generate_cutting_the_tail(engine: RolloutEngine, carry: CarryOver, next_prom
     incomplete = [g for g in range(len(groups)) if not groups[g].complete]
     metrics["rollout/long_tail/submitted_groups"] = float(len(groups))
     metrics["rollout/long_tail/aborted_groups"] = float(len(incomplete))
-    if settings.partial_rollout:  # extra complete groups first: they are ready to train
-        carry.groups = [groups[g] for g in extra] + [groups[g] for g in incomplete] + carry.groups
+    if settings.partial_rollout:  # oldest first: the groups not taken this round, then this round's
+        carry.groups = carry.groups + [groups[g] for g in extra] + [groups[g] for g in incomplete]
     else:
         metrics["rollout/long_tail/discarded_groups"] = float(len(extra) + len(incomplete))
     metrics["rollout/long_tail/carried_groups"] = float(len(carry.groups))
