@@ -196,7 +196,7 @@ def test_bench_long_tail_runs_the_three_modes_side_by_side(tmp_path):
     figures and the speedup; only partial rollouts train tokens of older weights."""
     out = tmp_path / "long_tail.json"
     proc = _run(str(BENCH / "bench_long_tail.py"), "--json", str(out), "--out", str(tmp_path / "runs"), "--steps",
-                "2", "--batch", "4", "--n", "2", "--max-response-length", "16")
+                "2", "--batch", "4", "--n", "2", "--max-response-length", "8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     for mode in ("plain", "over_sampling", "partial"):

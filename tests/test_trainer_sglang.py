@@ -100,17 +100,19 @@ GIVEN_KEY_VARIABLE, GIVEN_KEY = "TEST_GIVEN_SERVERS_KEY", "given-servers-key"
 
 @pytest.fixture(scope="module")
 def given_servers(policy_dir, tmp_path_factory):
-    """Two servers started by someone else, with a key; the trainer ranks read it from the variable
+    """A server started by someone else, with a key; the trainer ranks read it from the variable
     rollout.sglang.api_key_env names."""
-    launcher = launch_servers(tmp_path_factory.mktemp("logs"),
-                              [server_settings(policy_dir, api_key=GIVEN_KEY) for _ in range(2)])
+    launcher = launch_servers(tmp_path_factory.mktemp("logs"), [server_settings(policy_dir, api_key=GIVEN_KEY)])
     yield [server.url for server in launcher.servers]
     launcher.shutdown(grace_s=2)
 
 
-@pytest.mark.parametrize("transport", ["disk", "tensor"])
+# Disk sync runs against SGLang's own runtime in the cluster lane: a trainer's, into the engine it
+# launched (tests/test_sglang_runtime_e2e.py, bf16); the transport's, into two given engines
+# (tests/test_sglang_runtime.py).
+@pytest.mark.parametrize("transport", ["tensor"])
 def test_trainer_drives_servers_given_by_url(tmp_path, policy_dir, given_servers, transport):
-    urls = given_servers if transport == "disk" else given_servers[:1]  # tensor: colocated, one engine
+    urls = given_servers  # tensor: colocated, one engine
     records = run_distributed(_train, 2, (base_overrides(policy_dir, tmp_path / "run", 3) + [
         f"rollout.sglang.urls=[{','.join(urls)}]", f"rollout.sglang.weight_sync={transport}",
         f"rollout.sglang.api_key_env={GIVEN_KEY_VARIABLE}"],), timeout=600,
