@@ -54,6 +54,9 @@ class _FinishedRequests:
                  on_request_done: RequestDone | None):
         self.requests, self.rows, self.version, self.on_request_done = requests, rows, version, on_request_done
         self._open = [req.sampling.n for req in requests]  # unfinished rows per request
+        self._rows_of: list[list[_Row]] = [[] for _ in requests]
+        for row in rows:
+            self._rows_of[row.request_index].append(row)
         self._seen: set[int] = set()
         self._built: dict[int, Sample] = {}
 
@@ -70,7 +73,7 @@ class _FinishedRequests:
         return [self._sample(r) for r in self.rows]
 
     def _request_samples(self, index: int) -> list[Sample]:
-        return [self._sample(r) for r in self.rows if r.request_index == index]
+        return [self._sample(r) for r in self._rows_of[index]]
 
     def _sample(self, r: _Row) -> Sample:
         # routes as numpy int32: a torch tensor would cross the engine process's pipe through torch's

@@ -135,9 +135,7 @@ def generate_cutting_the_tail(engine: RolloutEngine, carry: CarryOver, next_prom
         metrics["rollout/busy_frac"] = busy_fraction(returned)
         metrics["rollout/long_tail/generated_tokens"] = float(sum(len(s.response_ids) for s in returned))
 
-    order = tracker.completion_order()
-    done = [g for g in order if groups[g].complete]
-    kept, extra = done[:needed], done[needed:]
+    kept, extra = tracker.order[:needed], tracker.order[needed:]  # complete groups, as they completed
     incomplete = [g for g in range(len(groups)) if not groups[g].complete]
     metrics["rollout/long_tail/submitted_groups"] = float(len(groups))
     metrics["rollout/long_tail/aborted_groups"] = float(len(incomplete))
@@ -177,16 +175,15 @@ class _CompletionTracker:
             self.engine.abort()
 
     def take_all(self, returned: list[Sample], requests: Sequence[GenerationRequest]) -> None:
-        """The call's samples, for requests not told (an engine may return aborted ones only here)."""
+        """The call's samples, for requests not told (an engine may return aborted ones only here).
+        The call has ended: nothing is left to abort."""
+        self.aborted = True
         start = 0
         for index, request in enumerate(requests):
             batch = returned[start:start + request.sampling.n]
             start += request.sampling.n
             if not self.taken[index]:
                 self.request_done(index, batch)
-
-    def completion_order(self) -> list[int]:
-        return list(self.order)
 
     def _take(self, index: int, samples: list[Sample]) -> int | None:
         """Files request `index`'s samples in its group; the group's index if that completed it."""

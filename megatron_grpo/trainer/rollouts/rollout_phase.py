@@ -233,6 +233,14 @@ def _single_turn_round(engine, prompts, tokenizer, rewards, settings, step, roun
     return samples, list(result.scores), metrics
 
 
+def _give_scores(groups, scores: Sequence[float]) -> None:
+    """Splits `scores` (the groups' samples' scores, in order) among the groups."""
+    offset = 0
+    for group in groups:
+        group.scores = list(scores[offset:offset + len(group.samples)])
+        offset += len(group.samples)
+
+
 @contextlib.contextmanager
 def _stream_ended_on_error(stream):
     """A generation that fails ends the reward stream too (its pool thread); its error is what is raised."""
@@ -271,20 +279,14 @@ def _long_tail_round(engine, carry, next_prompts, needed, tokenizer, rewards, se
     timings["time/rollout"] += generated - start
     metrics = dict(result.metrics)
     if stream is not None:
-        scored = stream.result()
+        scored = stream.result()  # in key order
         metrics.update(scored.metrics)
-        offset = 0
-        for _, group in sorted(submitted, key=lambda item: item[0]):
-            group.scores = scored.scores[offset:offset + len(group.samples)]
-            offset += len(group.samples)
+        _give_scores([group for _, group in sorted(submitted, key=lambda item: item[0])], scored.scores)
     unscored = [g for g in result.groups if g.scores is None]
     if unscored:
         scored = rewards.score([reward_request(s, g.prompt, tokenizer) for g in unscored for s in g.samples])
         metrics.update(scored.metrics)
-        offset = 0
-        for group in unscored:
-            group.scores = scored.scores[offset:offset + len(group.samples)]
-            offset += len(group.samples)
+        _give_scores(unscored, scored.scores)
     timings["time/reward"] += time.perf_counter() - generated
     samples = [s for g in result.groups for s in g.samples]
     metrics.update(_response_stats(samples, settings.sampling.max_new_tokens) if samples else {})
