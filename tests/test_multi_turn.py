@@ -267,7 +267,8 @@ def test_local_engine_trajectories_logprobs_equal_a_full_forward(tokenizer):
     from megatron_grpo.data.synthetic import SyntheticTaskConfig, generate_records
     from megatron_grpo.rollout.local import LocalEngine
     from megatron_grpo.rollout.types import SamplingParams
-    from megatron_grpo.trainer.rollouts.rollout_phase import MultiTurnSettings, RolloutSettings, collect_rollout_batch
+    from megatron_grpo.trainer.rollouts.multi_turn import MultiTurnSettings
+    from megatron_grpo.trainer.rollouts.rollout_phase import RolloutSettings, collect_rollout_batch
 
     torch.manual_seed(0)
     config = Qwen3Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -362,7 +363,7 @@ def test_multi_turn_config_errors(overrides, message):
 
 def test_shipped_tool_recipes_validate():
     from megatron_grpo.config import load_config, validate
-    from megatron_grpo.trainer.rollouts.rollout_phase import multi_turn_settings
+    from megatron_grpo.trainer.rollouts.multi_turn import multi_turn_settings
 
     tiny = load_config("recipes/tiny_cpu_tool.yaml")
     validate(tiny, world_size=1)

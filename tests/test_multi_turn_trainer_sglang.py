@@ -151,7 +151,7 @@ def test_lookup_recipe_trains_through_sglang(tmp_path, recipe_model, server):
 
     from megatron_grpo.config import load_config
     from megatron_grpo.trainer.assembly.prompt_data import SYNTHETIC_EVAL_RECORDS
-    from megatron_grpo.trainer.rollouts.rollout_phase import MULTI_TURN_ENDS
+    from megatron_grpo.trainer.rollouts.multi_turn import MULTI_TURN_ENDS
     from tests.tiny_hf import float64_logprobs
 
     url, log = server

@@ -25,7 +25,8 @@ from megatron_grpo.environments.sandbox import run_python
 from megatron_grpo.rollout.local import LocalEngine
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.testing.floats import tolerance
-from megatron_grpo.trainer.rollouts.rollout_phase import MultiTurnSettings, RolloutSettings, collect_rollout_batch
+from megatron_grpo.trainer.rollouts.multi_turn import MultiTurnSettings
+from megatron_grpo.trainer.rollouts.rollout_phase import RolloutSettings, collect_rollout_batch
 from tests.tiny_hf import EOS_ID, PAD_ID, VOCAB_SIZE, char_tokenizer, float64_logprobs, tiny_model
 
 # Qwen3's layout spelled in the character vocabulary: "<eos>" closes every turn (Qwen's <|im_end|>,

@@ -190,7 +190,8 @@ def multi_turn_rollout(engine, temperature: float):
     from megatron_grpo.data.prompts import EncodedPrompt
     from megatron_grpo.data.records import PromptRecord
     from megatron_grpo.environments.episodes import EpisodeLimits
-    from megatron_grpo.trainer.rollouts.rollout_phase import MultiTurnSettings, RolloutSettings, collect_rollout_batch
+    from megatron_grpo.trainer.rollouts.multi_turn import MultiTurnSettings
+    from megatron_grpo.trainer.rollouts.rollout_phase import RolloutSettings, collect_rollout_batch
 
     tokenizer, prompts = char_tokenizer(), []
     for i, key in enumerate(["ab", "xyz"]):

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional, Sequence
+from typing import Callable, Literal, Optional, Protocol, Sequence
 
 from megatron_grpo.data.records import PromptRecord
 from megatron_grpo.environments.base import Environment, Message, StepResult
@@ -56,6 +57,7 @@ class TurnRequest:
     turn: int
     ids: tuple[int, ...]
     max_new_tokens: int
+    continued: int = 0  # ids of this turn generated before an abort (partial rollouts); 0 for a new turn
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ class TurnOutput:
     finish_reason: str  # stop | length | abort
     weight_version: int
     stopped_by_token: bool = True  # False: a stop string ended the turn (its text is content)
+    token_versions: Optional[tuple[int, ...]] = None  # a continued turn: each id's weight version
+
+    def versions(self) -> list[int]:
+        """The weight version of each id."""
+        return list(self.token_versions) if self.token_versions is not None else [self.weight_version] * len(self.ids)
 
 
 @dataclass
@@ -76,7 +83,8 @@ class Trajectory:
     turn_rewards: list[Optional[float]] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
     end: str = "running"  # done | max_turns | turn_length | max_length | abort | step_timeout
-    weight_versions: list[int] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)  # per turn (a continued turn: its oldest id's)
+    token_versions: list[int] = field(default_factory=list)  # per response id (an observation: its turn's)
     counters: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -146,66 +154,209 @@ class ChatRenderer:
         return self.encode(tail + suffix[len(neutral):]), False
 
 
+class TurnGenerator(Protocol):
+    """Generates one batch of turns: the outputs in request order, each told to `on_turn_done(k,
+    output)` as soon as it is final where the engine can (an engine that cannot tells none; the
+    episodes then take every output at the end)."""
+
+    def __call__(self, requests: list[TurnRequest],
+                 on_turn_done: Callable[[int, TurnOutput], None]) -> list[TurnOutput]: ...
+
+
+@dataclass
+class Episode:
+    """One trajectory and its environment, advanced turn by turn. Under partial rollouts an abort
+    may stop it mid-turn (`partial`: the turn so far) and a later call continues that turn."""
+
+    record: PromptRecord
+    trajectory: Trajectory
+    environment: Optional[Environment]  # None: closed, or not rebuilt yet after a resume (replay_episode)
+    partial: Optional[TurnOutput] = None
+
+    @property
+    def running(self) -> bool:
+        return self.trajectory.end == "running"
+
+
+def start_episodes(records: Sequence[PromptRecord], environments: Sequence[Environment], renderer: ChatRenderer,
+                   env_name: str = "environment") -> list[Episode]:
+    """One episode per (record, environment) pair, reset to its first turn."""
+    episodes = []
+    for record, env in zip(records, environments):
+        messages = _call(env_name, "reset", env.reset, record)
+        episodes.append(Episode(record, Trajectory(prompt_ids=renderer.prompt_ids(messages), messages=list(messages)),
+                                env))
+    return episodes
+
+
+def close_episodes(episodes: Sequence[Episode], env_name: str = "environment") -> None:
+    """Closes every episode's environment (once)."""
+    for episode in episodes:
+        env, episode.environment = episode.environment, None
+        if env is not None:
+            _call(env_name, "close", env.close)
+
+
 def run_episodes(records: Sequence[PromptRecord], environments: Sequence[Environment], renderer: ChatRenderer,
                  limits: EpisodeLimits, generate: Callable[[list[TurnRequest]], list[TurnOutput]],
                  env_name: str = "environment") -> list[Trajectory]:
     """One episode per (record, environment) pair, all advanced together: each turn is one
     `generate` call over the episodes still running. Returns the finished trajectories in order."""
-    trajectories = []
-    for record, env in zip(records, environments):
-        messages = _call(env_name, "reset", env.reset, record)
-        trajectories.append(Trajectory(prompt_ids=renderer.prompt_ids(messages), messages=list(messages)))
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(STEP_THREADS, len(trajectories))))
-    starts: dict[int, float] = {}  # episode -> when its current step began running (not queued)
+    episodes = start_episodes(records, environments, renderer, env_name)
     try:
-        for turn in range(limits.max_turns):
-            running = [i for i, t in enumerate(trajectories) if t.end == "running"]
-            requests = []
-            for i in running:
-                t = trajectories[i]
-                ids = t.prompt_ids + t.response_ids
-                budget = min(limits.max_new_tokens_per_turn, limits.max_length - len(ids))
-                if budget < 1:
-                    t.end = "max_length"
-                    continue
-                requests.append(TurnRequest(episode=i, turn=turn, ids=tuple(ids), max_new_tokens=budget))
+        advance_episodes(episodes, renderer, limits, lambda requests, _told: generate(requests), env_name)
+    finally:
+        close_episodes(episodes, env_name)
+    return [e.trajectory for e in episodes]
+
+
+def advance_episodes(episodes: Sequence[Episode], renderer: ChatRenderer, limits: EpisodeLimits,
+                     generate: TurnGenerator, env_name: str = "environment", *, keep_partial: bool = False,
+                     on_end: Callable[[int], None] | None = None, stop: Callable[[], bool] | None = None) -> None:
+    """Plays turns until no episode runs or `stop()` (asked before each turn) says to stop. Each turn
+    is one `generate` call over the running episodes; an environment's step starts as soon as its
+    turn is final, while the call goes on. `on_end(i)` hears once of episode i ending (from the
+    engine's or a step's thread). keep_partial: a turn the engine aborted stays the episode's
+    `partial` turn, continued by the next call (which may be another round's), instead of ending it."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(STEP_THREADS, len(episodes))))
+    try:
+        while stop is None or not stop():
+            requests = _turn_requests(episodes, limits, on_end)
             if not requests:
                 break
-            outputs = generate(requests)
-            steps = {}
-            for request, out in zip(requests, outputs):
-                t = trajectories[request.episode]
-                _append(t, out.ids, out.logprobs, generated=True)
-                t.weight_versions.append(out.weight_version)
-                text = _turn_text(renderer.tokenizer, out)
-                t.messages.append({"role": "assistant", "content": text})
-                if out.finish_reason == "abort":
-                    t.end = "abort"
-                elif out.finish_reason == "length":
-                    t.end = "turn_length" if len(out.ids) >= limits.max_new_tokens_per_turn else "max_length"
-                else:
-                    starts.pop(request.episode, None)
-                    steps[request.episode] = (pool.submit(_timed, starts, request.episode,
-                                                          environments[request.episode].step, text), out, text)
-            for i, (future, out, text) in steps.items():
-                t = trajectories[i]
-                try:
-                    result = _result_within(future, starts, i, limits.step_timeout_s)
-                except concurrent.futures.TimeoutError:
-                    t.end = "step_timeout"  # the thread cannot be stopped; built-in tools stop their own
-                    t.count("step_timeouts")
-                    continue
-                except Exception as exc:
-                    raise EnvironmentFailure(f"{env_name}.step raised {type(exc).__name__}: {exc}") from exc
-                _record_step(t, result, limits, turn, renderer, out, text)
-        for t in trajectories:
-            if t.end == "running":
-                t.end = "max_turns"
+            _TurnCall(episodes, requests, renderer, limits, pool, env_name, keep_partial, on_end).play(generate)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-        for env in environments:
-            _call(env_name, "close", env.close)
-    return trajectories
+
+
+def _turn_requests(episodes: Sequence[Episode], limits: EpisodeLimits,
+                   on_end: Callable[[int], None] | None) -> list[TurnRequest]:
+    """The next turn (or the rest of a partial one) of every running episode; an episode with no
+    turn or token left ends here."""
+    requests = []
+    for i, episode in enumerate(episodes):
+        t = episode.trajectory
+        if not episode.running:
+            continue
+        done = episode.partial.ids if episode.partial is not None else []
+        ids = t.prompt_ids + t.response_ids + list(done)
+        budget = min(limits.max_new_tokens_per_turn - len(done), limits.max_length - len(ids))
+        if t.turns >= limits.max_turns or budget < 1:
+            t.end = "max_turns" if t.turns >= limits.max_turns else "max_length"
+            if on_end is not None:
+                on_end(i)
+            continue
+        requests.append(TurnRequest(episode=i, turn=t.turns, ids=tuple(ids), max_new_tokens=budget,
+                                    continued=len(done)))
+    return requests
+
+
+class _TurnCall:
+    """One generate call over the running episodes: each output is taken once (as the engine tells
+    it, or at the call's end), its environment step runs on the pool and is recorded there."""
+
+    def __init__(self, episodes, requests, renderer, limits, pool, env_name, keep_partial, on_end):
+        self.episodes, self.requests, self.renderer, self.limits = episodes, requests, renderer, limits
+        self.pool, self.env_name, self.keep_partial, self.on_end = pool, env_name, keep_partial, on_end
+        # one lock for the tokenizer's work and the trajectories: HF fast tokenizers are not thread safe
+        self.lock = threading.Lock()
+        self.taken = [False] * len(requests)
+        self.steps: dict[int, concurrent.futures.Future] = {}
+        self.starts: dict[int, float] = {}  # episode -> when its step began running (not queued)
+        self.timed_out: set[int] = set()
+
+    def play(self, generate: TurnGenerator) -> None:
+        outputs = generate(self.requests, self.take)
+        for k, out in enumerate(outputs):
+            self.take(k, out)
+        for i in sorted(self.steps):
+            try:
+                _result_within(self.steps[i], self.starts, i, self.limits.step_timeout_s)
+            except concurrent.futures.TimeoutError:
+                with self.lock:  # the thread cannot be stopped; built-in tools stop their own
+                    self.timed_out.add(i)
+                    self.episodes[i].trajectory.end = "step_timeout"
+                    self.episodes[i].trajectory.count("step_timeouts")
+                self._ended(i)
+            except MegatronGRPOError:
+                raise
+            except Exception as exc:
+                raise EnvironmentFailure(f"{self.env_name}.step raised {type(exc).__name__}: {exc}") from exc
+
+    def take(self, k: int, out: TurnOutput) -> None:
+        request = self.requests[k]
+        i, episode = request.episode, self.episodes[request.episode]
+        with self.lock:
+            if self.taken[k]:
+                return
+            self.taken[k] = True
+            if episode.partial is not None:  # the rest of a turn an abort cut
+                out, episode.partial = joined_turn(episode.partial, out), None
+            if out.finish_reason == "abort" and self.keep_partial:
+                episode.partial = out  # continued by a later call
+                return
+            t = episode.trajectory
+            versions = out.versions()
+            _append(t, out.ids, out.logprobs, generated=True, versions=versions)
+            t.weight_versions.append(out.weight_version)
+            text = _turn_text(self.renderer.tokenizer, out)
+            t.messages.append({"role": "assistant", "content": text})
+            if out.finish_reason == "abort":
+                t.end = "abort"
+            elif out.finish_reason == "length":
+                t.end = "turn_length" if len(out.ids) >= self.limits.max_new_tokens_per_turn else "max_length"
+            else:
+                self.starts.pop(i, None)
+                self.steps[i] = self.pool.submit(self._step, i, out, text, request.turn)
+                return
+        self._ended(i)
+
+    def _step(self, i: int, out: TurnOutput, text: str, turn: int) -> None:
+        self.starts[i] = time.monotonic()
+        result = self.episodes[i].environment.step(text)
+        with self.lock:
+            if i in self.timed_out:
+                return
+            _record_step(self.episodes[i].trajectory, result, self.limits, turn, self.renderer, out, text)
+        self._ended(i)
+
+    def _ended(self, i: int) -> None:
+        if self.on_end is not None and not self.episodes[i].running:
+            self.on_end(i)
+
+
+def joined_turn(partial: TurnOutput, rest: TurnOutput) -> TurnOutput:
+    """A turn an abort cut (`partial`) and the output that continued it: one turn whose every id
+    keeps the weight version that generated it."""
+    versions = partial.versions() + rest.versions()
+    return TurnOutput(list(partial.ids) + list(rest.ids), list(partial.logprobs) + list(rest.logprobs),
+                      rest.finish_reason, min(versions, default=rest.weight_version), rest.stopped_by_token,
+                      tuple(versions))
+
+
+def replay_episode(episode: Episode, environment: Environment, env_name: str = "environment") -> bool:
+    """Brings a fresh environment to where `episode` stands by resetting it and replaying the
+    trajectory's assistant turns (a resumed run's carried episodes: environments are not saved).
+    True, with the environment set, when it answered as recorded; False (closed) otherwise."""
+    t = episode.trajectory
+    messages = list(_call(env_name, "reset", environment.reset, episode.record))
+    at = len(messages)
+    same = t.messages[:at] == messages
+    for _ in range(t.turns if same else 0):
+        assistant = t.messages[at]
+        at += 1
+        result = _call(env_name, "step", environment.step, assistant["content"])
+        observations = list(getattr(result, "observations", []))
+        if at < len(t.messages):  # observations followed this turn
+            same = t.messages[at:at + len(observations)] == observations
+            at += len(observations)
+            if not same:
+                break
+    if same and at == len(t.messages):
+        episode.environment = environment
+        return True
+    _call(env_name, "close", environment.close)
+    return False
 
 
 def _timed(starts: dict[int, float], episode: int, step, text: str):
@@ -247,10 +398,12 @@ def _record_step(t: Trajectory, result: StepResult, limits: EpisodeLimits, turn:
         t.end = "max_length"
         return
     t.messages.extend(result.observations)
-    _append(t, ids, [0.0] * len(ids), generated=False)
+    _append(t, ids, [0.0] * len(ids), generated=False, versions=[out.weight_version] * len(ids))
 
 
-def _append(t: Trajectory, ids: Sequence[int], logprobs: Sequence[float], generated: bool) -> None:
+def _append(t: Trajectory, ids: Sequence[int], logprobs: Sequence[float], generated: bool,
+            versions: Sequence[int]) -> None:
+    t.token_versions.extend(int(v) for v in versions)
     t.response_ids.extend(int(i) for i in ids)
     t.response_mask.extend([generated] * len(ids))
     t.logprobs.extend(float(v) for v in logprobs)

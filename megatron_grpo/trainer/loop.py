@@ -39,7 +39,8 @@ from megatron_grpo.trainer.batches.micro_batches import padding_metrics, plan_mi
 from megatron_grpo.trainer.state.resume import resume
 from megatron_grpo.trainer.engines.local_engine import trainer_threads
 from megatron_grpo.trainer.rollouts.long_tail import LongTailSettings
-from megatron_grpo.trainer.rollouts.rollout_phase import RolloutSettings, collect_rollout_batch, multi_turn_settings
+from megatron_grpo.trainer.rollouts.multi_turn import multi_turn_settings
+from megatron_grpo.trainer.rollouts.rollout_phase import RolloutSettings, collect_rollout_batch
 from megatron_grpo.trainer.rollouts.rollout_pipeline import RolloutPipeline
 from megatron_grpo.trainer.setup import Run, build_run, first_mini_batch_has_old_pass, old_logprobs_needed
 from megatron_grpo.trainer.signals import StopSignals

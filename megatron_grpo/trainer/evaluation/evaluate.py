@@ -7,8 +7,8 @@ import math
 
 from megatron_grpo.launch.cpu import cuda_redirect_paused
 from megatron_grpo.rollout.types import GenerationRequest, SamplingParams
-from megatron_grpo.trainer.rollouts.rollout_phase import (multi_turn_settings, multi_turn_stats, reward_request,
-                                                          run_multi_turn)
+from megatron_grpo.trainer.rollouts.multi_turn import multi_turn_settings, multi_turn_stats, run_multi_turn
+from megatron_grpo.trainer.rollouts.rollout_phase import reward_request
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -23,10 +23,11 @@ from megatron_grpo.launch.cpu import cuda_redirect_paused
 from megatron_grpo.rewards.overlong import OverlongPenalty, overlong_metrics
 from megatron_grpo.rewards.runner import RewardRequest, RewardRunner
 from megatron_grpo.rollout.engine import RolloutEngine
-from megatron_grpo.rollout.types import GenerationRequest, Sample, SamplingParams, derive_sample_seed
+from megatron_grpo.rollout.types import GenerationRequest, Sample, SamplingParams
 from megatron_grpo.trainer.batches.batching import TrainSample
 from megatron_grpo.trainer.rollouts.long_tail import (CarryOver, LongTailSettings, busy_fraction,
                                                       generate_cutting_the_tail, version_lag_metrics)
+from megatron_grpo.trainer.rollouts.multi_turn import MultiTurnSettings, multi_turn_stats, run_multi_turn
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,8 @@ class RolloutSettings:
     # rollout.sampling_replay (config/derived.py): each response token's sampling support reaches the
     # trainer, whose log-probs are then over that support (ops/support_logprobs.py)
     sampling_replay: bool = False
-    # rollout.multi_turn (multi_turn_settings below): episodes against an environment; None = single-turn
-    multi_turn: "MultiTurnSettings | None" = None
+    # rollout.multi_turn (multi_turn.py): episodes against an environment; None = single-turn
+    multi_turn: MultiTurnSettings | None = None
     # reward.overlong_buffer: DAPO's length penalty, added to each score; None = off
     overlong: OverlongPenalty | None = None
     # algorithm.filter_groups.metric seq_reward / seq_final_reward: the filter reads the penalised
@@ -54,29 +55,6 @@ class RolloutSettings:
     score_while_generating: bool = True
     # rollout.long_tail: over-sampling and partial rollouts (long_tail.py); None = every group runs to the end
     long_tail: LongTailSettings | None = None
-
-
-@dataclass(frozen=True)
-class MultiTurnSettings:
-    environment: str  # rollout.multi_turn.environment (a built-in name, module:Class or file.py:Class)
-    environment_kwargs: dict
-    limits: Any  # environments.episodes.EpisodeLimits (imported where a multi-turn round runs)
-    chat_template: str | None = None  # data.chat_template
-
-
-def multi_turn_settings(cfg) -> MultiTurnSettings | None:
-    """rollout.multi_turn as the rollout phase takes it; None when no environment is set."""
-    from megatron_grpo.environments.episodes import EpisodeLimits
-
-    mt = cfg.rollout.multi_turn
-    if mt.environment is None:
-        return None
-    per_turn = mt.max_new_tokens_per_turn or cfg.rollout.max_new_tokens or cfg.data.max_response_length
-    limits = EpisodeLimits(max_turns=mt.max_turns, max_new_tokens_per_turn=per_turn,
-                           max_length=mt.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length,
-                           step_timeout_s=mt.step_timeout_s, turn_reward=mt.turn_reward, discount=mt.discount)
-    return MultiTurnSettings(environment=mt.environment, environment_kwargs=dict(mt.environment_kwargs),
-                             limits=limits, chat_template=cfg.data.chat_template)
 
 
 @dataclass
@@ -304,68 +282,6 @@ def _multi_turn_round(engine, prompts, tokenizer, settings, step, rounds, timing
     timings["time/rollout"] += time.perf_counter() - start
     scores = [t.reward(settings.multi_turn.limits) for t in trajectories]
     return samples, scores, [t.response_mask for t in trajectories], multi_turn_stats(trajectories)
-
-
-def run_multi_turn(engine, prompts, tokenizer, mt: MultiTurnSettings, sampling: SamplingParams, n: int,
-                   group_prefix: str, seed_of, in_trainer_thread: bool = True):
-    """n episodes per prompt against fresh environments, every turn one batched generate call with
-    `sampling` (its max_new_tokens: the turn's budget; turn t of sample i of prompt group g seeded
-    from seed_of(g), i and t): (trajectories, one Sample per trajectory, group ids group_prefix:g)."""
-    from megatron_grpo.environments.episodes import ChatRenderer, TurnOutput, run_episodes
-    from megatron_grpo.environments.loader import build_environment
-
-    records = [p.record for p in prompts for _ in range(n)]
-    environments = [build_environment(mt.environment, mt.environment_kwargs) for _ in records]
-
-    def generate(turns):
-        requests = []
-        for turn in turns:
-            group, index = divmod(turn.episode, n)
-            seed = derive_sample_seed(seed_of(group), index)
-            turn_sampling = dataclasses.replace(sampling, n=1, max_new_tokens=turn.max_new_tokens,
-                                                seed=(seed + turn.turn * 1_000_033) % (2**63 - 1))
-            # one group per episode: an engine that resubmits aborted requests (SGLang under
-            # max_staleness) matches them by (group_id, sample_index), and every turn request has n=1
-            requests.append(GenerationRequest(prompt_ids=turn.ids, sampling=turn_sampling,
-                                              group_id=f"{group_prefix}:{group}:{index}",
-                                              keep_kv=turn.turn + 1 < mt.limits.max_turns))
-        with cuda_redirect_paused() if in_trainer_thread else contextlib.nullcontext():
-            samples = engine.generate(requests)
-        return [TurnOutput(s.response_ids, s.logprobs, s.finish_reason, s.weight_version,
-                           stopped_by_token=not isinstance(s.matched_stop, str)) for s in samples]
-
-    trajectories = run_episodes(records, environments, ChatRenderer(tokenizer, mt.chat_template), mt.limits,
-                                generate, env_name=mt.environment)
-    samples = [Sample(group_id=f"{group_prefix}:{e // n}", sample_index=e % n, prompt_ids=t.prompt_ids,
-                      response_ids=t.response_ids, logprobs=t.logprobs,
-                      finish_reason="abort" if t.end == "abort" else
-                      "length" if t.end in ("turn_length", "max_length") else "stop",
-                      # a trajectory is as stale as its oldest turn
-                      weight_version=min(t.weight_versions, default=engine.weight_version))
-               for e, t in enumerate(trajectories)]
-    return trajectories, samples
-
-
-def multi_turn_stats(trajectories) -> dict[str, float]:
-    """Turns, lengths, how episodes ended and the environments' counters (summed) of one round."""
-    count = len(trajectories)
-    generated = [sum(t.response_mask) for t in trajectories]
-    metrics = {
-        "multi_turn/turns_mean": sum(t.turns for t in trajectories) / count,
-        "multi_turn/generated_tokens_mean": sum(generated) / count,
-        "response/length_mean": sum(len(t.response_ids) for t in trajectories) / count,
-        "response/length_max": float(max(len(t.response_ids) for t in trajectories)),
-        "response/truncation_ratio": sum(t.end in ("turn_length", "max_length") for t in trajectories) / count,
-    }
-    for end in MULTI_TURN_ENDS:
-        metrics[f"multi_turn/end_{end}_frac"] = sum(t.end == end for t in trajectories) / count
-    for t in trajectories:
-        for name, value in t.counters.items():
-            metrics[f"multi_turn/{name}"] = metrics.get(f"multi_turn/{name}", 0.0) + value
-    return metrics
-
-
-MULTI_TURN_ENDS = ("done", "max_turns", "turn_length", "max_length", "abort", "step_timeout")
 
 
 def _routes(sample: Sample) -> torch.Tensor:
