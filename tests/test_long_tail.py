@@ -132,8 +132,6 @@ def test_without_partial_rollouts_the_abort_discards_and_stale_groups_are_droppe
     (["rollout.long_tail.partial_rollout=true"], "need rollout.long_tail.over_sampling_groups > 0"),
     (["rollout.long_tail.over_sampling_groups=4", "rollout.long_tail.partial_rollout=true"],
      "set rollout.long_tail.allow_off_policy=true to accept that"),
-    (["rollout.long_tail.over_sampling_groups=4", "rollout.multi_turn.environment=lookup"],
-     "rollout.long_tail with rollout.multi_turn is not supported yet"),
     (["rollout.long_tail.over_sampling_groups=4", "rollout.long_tail.partial_rollout=true",
       "rollout.long_tail.allow_off_policy=true", "actor.moe_routing_replay=true",
       "model.override_config.model_type=qwen3_moe", "model.override_config.num_experts=8"],

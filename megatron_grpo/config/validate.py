@@ -240,9 +240,6 @@ def _long_tail(c: Config, out: list[str]) -> None:
         return
     if lt.over_sampling_groups == 0:
         return
-    if c.rollout.multi_turn.environment is not None:
-        out.append("rollout.long_tail with rollout.multi_turn is not supported yet (an episode's turn would have to be "
-                   "continued across rounds); set rollout.long_tail.over_sampling_groups=0")
     if lt.partial_rollout and c.actor.moe_routing_replay:
         out.append("rollout.long_tail.partial_rollout with actor.moe_routing_replay=true: a continued sequence's "
                    "prefix would be routed again under the new weights, not as it was generated; turn one off")

@@ -50,6 +50,8 @@ class Rank0Parts:
 
     def close(self) -> None:
         try:
+            if self.carry_over is not None:
+                self.carry_over.close()  # carried episodes' environments (tool sandboxes)
             self.rewards.close()
         finally:
             self.engine.close()

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 from megatron_grpo.data.prompts import EncodedPrompt
 from megatron_grpo.data.records import PromptRecord
+from megatron_grpo.environments.episodes import Episode, Trajectory, TurnOutput, close_episodes
 from megatron_grpo.launch.cpu import cuda_redirect_paused
 from megatron_grpo.rollout.engine import RolloutEngine
 from megatron_grpo.rollout.types import GenerationRequest, Sample, SamplingParams
@@ -59,22 +60,83 @@ _NO_TOKENS = 1 << 62  # a group with no token yet is as new as any
 
 
 @dataclass
+class CarriedEpisodes:
+    """One prompt's n multi-turn episodes carried to a later round (long_tail_episodes.py): each
+    keeps its trajectory, its environment and the turn an abort cut."""
+
+    prompt: EncodedPrompt
+    group_id: str
+    episodes: list[Episode]
+
+    @property
+    def ended(self) -> bool:
+        return not any(e.running for e in self.episodes)
+
+    @property
+    def complete(self) -> bool:
+        """Every episode ended, none by an abort."""
+        return self.ended and all(e.trajectory.end != "abort" for e in self.episodes)
+
+    @property
+    def oldest_version(self) -> int:
+        versions = [v for e in self.episodes for v in e.trajectory.token_versions + (
+            e.partial.versions() if e.partial is not None else [])]
+        return min(versions, default=_NO_TOKENS)
+
+    def state_dict(self) -> dict:
+        """JSON-safe; the environments are not saved (a resumed round rebuilds them: replay_episode)."""
+        return {"prompt": _prompt_state(self.prompt), "group_id": self.group_id,
+                "episodes": [{"trajectory": dataclasses.asdict(e.trajectory),
+                              "partial": None if e.partial is None else dataclasses.asdict(e.partial)}
+                             for e in self.episodes]}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "CarriedEpisodes":
+        prompt = _prompt_of(state["prompt"])
+        episodes = []
+        for e in state["episodes"]:
+            partial = e["partial"]
+            if partial is not None and partial["token_versions"] is not None:
+                partial = {**partial, "token_versions": tuple(partial["token_versions"])}
+            episodes.append(Episode(prompt.record, Trajectory(**e["trajectory"]), None,
+                                    None if partial is None else TurnOutput(**partial)))
+        return cls(prompt, state["group_id"], episodes)
+
+
+@dataclass
 class CarryOver:
-    """What rounds leave for later ones: prompts drawn but not started, and carried groups (oldest first)."""
+    """What rounds leave for later ones: prompts drawn but not started, and carried groups (oldest
+    first): single-turn `groups`, multi-turn `episodes`."""
 
     unstarted: list[EncodedPrompt] = field(default_factory=list)
     groups: list[CarriedGroup] = field(default_factory=list)
+    episodes: list[CarriedEpisodes] = field(default_factory=list)
 
     def state_dict(self) -> dict:
         """JSON-safe (the checkpoint's trainer_state.json)."""
         return {"unstarted": [_prompt_state(p) for p in self.unstarted],
                 "groups": [{"prompt": _prompt_state(g.prompt), "scores": g.scores,
-                            "samples": [_sample_state(s) for s in g.samples]} for g in self.groups]}
+                            "samples": [_sample_state(s) for s in g.samples]} for g in self.groups],
+                "episodes": [g.state_dict() for g in self.episodes]}
 
     def load_state_dict(self, state: dict) -> None:
         self.unstarted = [_prompt_of(p) for p in state["unstarted"]]
         self.groups = [CarriedGroup(_prompt_of(g["prompt"]), [Sample(**s) for s in g["samples"]], g["scores"])
                        for g in state["groups"]]
+        self.episodes = [CarriedEpisodes.from_state(g) for g in state.get("episodes", [])]
+
+    def close(self) -> None:
+        """Closes the carried episodes' environments (what they hold stays in the trajectories)."""
+        for group in self.episodes:
+            close_episodes(group.episodes)
+
+    def draw(self, next_prompts: Callable[[], list[EncodedPrompt]], count: int) -> list[EncodedPrompt]:
+        """`count` prompts: the unstarted ones first, then the sampler's batches; what is left of
+        the last batch stays unstarted."""
+        while len(self.unstarted) < count:
+            self.unstarted.extend(next_prompts())
+        taken, self.unstarted = self.unstarted[:max(count, 0)], self.unstarted[max(count, 0):]
+        return taken
 
 
 @dataclass
@@ -111,7 +173,7 @@ def generate_cutting_the_tail(engine: RolloutEngine, carry: CarryOver, next_prom
         return RoundResult(kept, metrics)
     target = needed + settings.over_sampling_groups
     groups, carry.groups = carried[:target], carried[target:]
-    groups += [CarriedGroup(p, []) for p in _draw(carry, next_prompts, target - len(groups))]
+    groups += [CarriedGroup(p, []) for p in carry.draw(next_prompts, target - len(groups))]
 
     # requests: a new group is one request of n samples; a carried one, one request per unfinished sample
     requests: list[GenerationRequest] = []
@@ -202,15 +264,6 @@ class _CompletionTracker:
             self.order.append(g)
             return g
         return None
-
-
-def _draw(carry: CarryOver, next_prompts: Callable[[], list[EncodedPrompt]], count: int) -> list[EncodedPrompt]:
-    """`count` prompts: the carried unstarted ones first, then the sampler's batches; what is left of
-    the last batch is carried unstarted."""
-    while len(carry.unstarted) < count:
-        carry.unstarted.extend(next_prompts())
-    taken, carry.unstarted = carry.unstarted[:max(count, 0)], carry.unstarted[max(count, 0):]
-    return taken
 
 
 def _continuation(group: CarriedGroup, sample: Sample, sampling: SamplingParams, index: int) -> GenerationRequest:

@@ -23,11 +23,14 @@ from megatron_grpo.launch.cpu import cuda_redirect_paused
 from megatron_grpo.rewards.overlong import OverlongPenalty, overlong_metrics
 from megatron_grpo.rewards.runner import RewardRequest, RewardRunner
 from megatron_grpo.rollout.engine import RolloutEngine
-from megatron_grpo.rollout.types import GenerationRequest, Sample, SamplingParams
+from megatron_grpo.environments.episodes import ChatRenderer
+from megatron_grpo.rollout.types import GenerationRequest, Sample, SamplingParams, derive_sample_seed
 from megatron_grpo.trainer.batches.batching import TrainSample
 from megatron_grpo.trainer.rollouts.long_tail import (CarryOver, LongTailSettings, busy_fraction,
                                                       generate_cutting_the_tail, version_lag_metrics)
-from megatron_grpo.trainer.rollouts.multi_turn import MultiTurnSettings, multi_turn_stats, run_multi_turn
+from megatron_grpo.trainer.rollouts.long_tail_episodes import play_cutting_the_tail
+from megatron_grpo.trainer.rollouts.multi_turn import (MultiTurnSettings, engine_turns, multi_turn_stats,
+                                                       run_multi_turn, trajectory_sample)
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,12 @@ def collect_rollout_batch(engine: RolloutEngine, next_prompts, tokenizer, reward
                 f"non-zero reward variance after {settings.max_generation_rounds} generation rounds "
                 f"(algorithm.filter_groups.max_num_gen_batches); the task may be too easy or too hard")
         prompts: list[EncodedPrompt] = next_prompts() if settings.long_tail is None else []
-        if settings.long_tail is not None:
+        if settings.long_tail is not None and settings.multi_turn is not None:
+            samples, round_scores, masks, round_metrics = _multi_turn_long_tail_round(
+                engine, carry, next_prompts, num_prompts - len(kept_samples) // settings.n, tokenizer, settings, step,
+                rounds, timings, min_weight_version, in_trainer_thread)
+            dropped_stale += int(round_metrics.pop("rollout/dropped_stale"))
+        elif settings.long_tail is not None:
             samples, round_scores, round_metrics = _long_tail_round(
                 engine, carry, next_prompts, num_prompts - len(kept_samples) // settings.n, tokenizer, rewards,
                 settings, step, rounds, timings, min_weight_version, in_trainer_thread)
@@ -269,6 +277,32 @@ def _long_tail_round(engine, carry, next_prompts, needed, tokenizer, rewards, se
     samples = [s for g in result.groups for s in g.samples]
     metrics.update(_response_stats(samples, settings.sampling.max_new_tokens) if samples else {})
     return samples, [score for g in result.groups for score in g.scores], metrics
+
+
+def _multi_turn_long_tail_round(engine, carry, next_prompts, needed, tokenizer, settings, step, rounds, timings,
+                                min_weight_version, in_trainer_thread):
+    """A multi-turn round that over-samples and cuts the tail (long_tail_episodes.py): (samples,
+    scores, masks, metrics) of the `needed` whole groups it played or took from the carried ones."""
+    mt, n = settings.multi_turn, settings.n
+
+    def turns_of(groups):
+        seeds = [derive_sample_seed(_seeded(settings.sampling, step, rounds, g).seed, i)
+                 for g, group in enumerate(groups) for i in range(len(group.episodes))]
+        ids = [f"{group.group_id}:{i}" for group in groups for i in range(len(group.episodes))]
+        return engine_turns(engine, settings.sampling, seeds, ids, mt.limits.max_turns, in_trainer_thread)
+
+    start = time.perf_counter()
+    result = play_cutting_the_tail(engine, carry, next_prompts, needed, settings.long_tail, mt,
+                                   ChatRenderer(tokenizer, mt.chat_template), n,
+                                   lambda g: f"{step}:{rounds}:{g}", turns_of, min_version=min_weight_version)
+    timings["time/rollout"] += time.perf_counter() - start
+    trajectories = [e.trajectory for g in result.groups for e in g.episodes]
+    samples = [trajectory_sample(e.trajectory, g.group_id, i, engine.weight_version)
+               for g in result.groups for i, e in enumerate(g.episodes)]
+    metrics = dict(result.metrics)
+    if trajectories:
+        metrics.update(multi_turn_stats(trajectories))
+    return samples, [t.reward(mt.limits) for t in trajectories], [t.response_mask for t in trajectories], metrics
 
 
 def _multi_turn_round(engine, prompts, tokenizer, settings, step, rounds, timings, in_trainer_thread):

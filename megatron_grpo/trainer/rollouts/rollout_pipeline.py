@@ -128,6 +128,8 @@ class RolloutPipeline:
             except MegatronGRPOError as exc:
                 log.warning("stopping the rollout producer: abort failed (%s)", exc)
             self._thread.join(timeout=60.0)
+        if self._carry is not None and not self._thread.is_alive():
+            self._carry.close()  # the producer's carried episodes' environments
 
     # ----- the producer ---------------------------------------------------------------------
     def _next_prompts(self):
