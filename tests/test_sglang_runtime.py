@@ -276,6 +276,67 @@ def test_over_sampling_aborts_the_tail_and_a_partial_response_is_continued(clust
     engine.close()
 
 
+def test_multi_turn_over_sampling_cuts_a_turn_that_the_next_round_continues(cluster, reference):
+    """rollout.long_tail with multi-turn episodes against the real scheduler: group "0"'s turns stop at
+    their first id and its environment ends the episode; that step (on the step pool, while the call
+    goes on) completes the group and aborts the call; the other groups' turns (no stop, no EOS) come
+    back cut, their environments untouched. The next round continues each cut turn from trajectory +
+    partial turn with the rest of the turn's budget: the joined turn extends the partial one and all
+    its log-probs equal one float64 forward."""
+    from megatron_grpo.environments.episodes import ChatRenderer, EpisodeLimits
+    from megatron_grpo.trainer.rollouts.long_tail import CarryOver, LongTailSettings
+    from megatron_grpo.trainer.rollouts.long_tail_episodes import play_cutting_the_tail
+    from megatron_grpo.trainer.rollouts.multi_turn import MultiTurnSettings, trajectory_sample, turn_output
+    from tests.test_long_tail_episodes import prompts as tally_prompts
+
+    url = cluster["engines"][0]
+    engine = SGLangEngine(client([url]), DiskTransport(client([url]), [EngineTarget(url)], "/nonexistent"),
+                          options=NO_PROBE)
+    renderer = ChatRenderer(char_tokenizer(), CHAR_CHAT_TEMPLATE)
+
+    def turns_of(groups):
+        episodes = [(group, i) for group in groups for i in range(len(group.episodes))]
+
+        def generate(turns, on_turn_done):
+            requests = []
+            for turn in turns:
+                group, i = episodes[turn.episode]
+                quick = group.prompt.text == "0"
+                params = SamplingParams(n=1, max_new_tokens=turn.max_new_tokens, ignore_eos=not quick,
+                                        stop_token_ids=tuple(range(2, 300)) if quick else ())
+                requests.append(GenerationRequest(turn.ids, params, f"{group.group_id}:{i}"))
+            done = engine.generate(requests, lambda k, samples: on_turn_done(k, turn_output(samples[0])))
+            return [turn_output(s) for s in done]
+        return generate
+
+    def play(carry, feed, needed, over, per_turn):
+        limits = EpisodeLimits(max_turns=3, max_new_tokens_per_turn=per_turn, max_length=LONG + 40, step_timeout_s=30)
+        mt = MultiTurnSettings("tests.test_long_tail_episodes:TallyEnvironment", {}, limits, CHAR_CHAT_TEMPLATE)
+        return play_cutting_the_tail(engine, carry, feed, needed, LongTailSettings(over, True), mt, renderer, 2,
+                                     lambda g: f"g{g}", turns_of)
+
+    carry = CarryOver()
+    first = play(carry, lambda: tally_prompts(4), 1, 3, LONG)
+    assert [g.prompt.text for g in first.groups] == ["0"] and len(carry.episodes) == 3
+    cut = [e for g in carry.episodes for e in g.episodes]
+    assert all(e.running and e.partial is not None and e.partial.finish_reason == "abort" for e in cut)
+    assert sum(len(e.partial.ids) for e in cut) > 0, "the abort came before any token: nothing to test"
+    partial = {id(e): e.partial for e in cut}
+    environments = {id(e): e.environment for e in cut}
+    longest = max(len(p.ids) for p in partial.values())
+    second = play(carry, lambda: [], 3, 0, longest + 3)  # each cut turn: at most 3 + what it lacks
+    assert len(second.groups) == 3 and not carry.episodes
+    for group in second.groups:
+        for i, e in enumerate(group.episodes):
+            before, t = partial[id(e)], e.trajectory
+            assert t.end == "turn_length" and t.turns == 1 and len(t.response_ids) == longest + 3
+            assert t.response_ids[:len(before.ids)] == list(before.ids)
+            assert t.logprobs[:len(before.ids)] == list(before.logprobs)
+            assert environments[id(e)].seen == []  # a turn cut by a length limit is never stepped
+            assert_logprobs_match(reference, trajectory_sample(t, group.group_id, i, 0))
+    engine.close()
+
+
 def test_4xx_is_not_retried_and_names_the_url(cluster):
     url = cluster["engines"][0]
     with pytest.raises(SGLangError, match=rf"{url}/generate: HTTP 401") as info:
