@@ -52,7 +52,8 @@ class LookupPlayer:
         self.tokenizer, self.knows = tokenizer, set(knows)
         self.end = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
-    def generate(self, requests):
+    def generate(self, requests, on_request_done=None):  # RolloutEngine.generate's signature
+        from megatron_grpo.rollout.engine import report_each_request
         from megatron_grpo.rollout.types import Sample
 
         samples = []
@@ -64,7 +65,7 @@ class LookupPlayer:
             ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"] + [self.end]
             samples.append(Sample(r.group_id, 0, list(r.prompt_ids), ids, [0.0] * len(ids), "stop", 0,
                                   matched_stop=self.end))
-        return samples
+        return report_each_request(requests, samples, on_request_done)
 
 
 def test_eval_with_an_environment_scores_its_episodes(tmp_path):
