@@ -164,7 +164,7 @@ def run_ours(settings: Settings, model_dir: Path, work: Path, profile: Path | No
 
     torch.set_num_threads(settings.threads)
     from megatron_grpo.config import load_config
-    from megatron_grpo.trainer.loop import grpo_step, rollout_settings
+    from megatron_grpo.trainer.loop import grpo_step
     from megatron_grpo.trainer.rollouts.rollout_pipeline import RolloutPipeline
     from megatron_grpo.trainer.setup import build_run
 
@@ -172,7 +172,7 @@ def run_ours(settings: Settings, model_dir: Path, work: Path, profile: Path | No
     run = build_run(cfg)
     pipeline = None  # as trainer/loop.py's train() builds it
     if settings.max_staleness > 0:
-        pipeline = RolloutPipeline(run, rollout_settings(cfg), start_step=0,
+        pipeline = RolloutPipeline(run, run.settings.rollout, start_step=0,
                                    max_staleness=settings.max_staleness).start()
     result = Result("ours")
     phases: dict[str, list[float]] = {}

@@ -54,7 +54,7 @@ def _steps(rank, world_size, policy_path, virtual_pipeline, warmup, measured):
     from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
     from megatron_grpo.trainer.batches.batching import TrainSample
     from megatron_grpo.trainer.batches.micro_batches import plan_micro_batches
-    from megatron_grpo.trainer.loop import global_batch_info, grpo_loss_config
+    from megatron_grpo.trainer.step_settings import global_batch_info, grpo_loss_config
     from megatron_grpo.trainer.step.train_step import train_on_mini_batch
 
     torch.set_num_threads(1)

@@ -38,7 +38,7 @@ def first_step(rank, world_size, policy_path, parallel, samples, overrides=(), r
     from megatron_grpo.models.builder import Recompute
     from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
     from megatron_grpo.trainer.batches.micro_batches import plan_micro_batches
-    from megatron_grpo.trainer.loop import global_batch_info, grpo_loss_config
+    from megatron_grpo.trainer.step_settings import global_batch_info, grpo_loss_config
     from megatron_grpo.trainer.step.train_step import train_on_mini_batch
 
     cfg = load_config("tiny_cpu", [f"parallel.sequence_parallel={parallel.get('sequence_parallel', False)}",

@@ -204,3 +204,48 @@ def test_no_reference_to_design_notes_outside_the_repository():
             continue
         found += [f"{name}:{i}" for i, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
     assert not found, found
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Each project module's imports of project modules, function-level ones included and
+    TYPE_CHECKING blocks not (they never run); `from pkg import sub` imports the module pkg.sub."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = ("megatron_grpo",) + path.relative_to(PACKAGE).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = ast.parse(path.read_text("utf-8"))
+    graph = {}
+    for name, tree in modules.items():
+        skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        imported = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = {f"{node.module}.{alias.name}" for alias in node.names} & set(modules)
+                imported |= subs or {node.module}
+        graph[name] = {m for m in imported if m in modules and m != name}
+    return graph
+
+
+def test_no_import_circle_between_modules():
+    """No module imports, even lazily, one that imports it back (directly or around a circle):
+    a circle is a layering mistake a lazy import only hides."""
+    graph = _module_imports()
+    circles, state = [], {}
+
+    def visit(name, path):
+        state[name] = "open"
+        for other in sorted(graph[name]):
+            if state.get(other) == "open":
+                circles.append(" -> ".join(path[path.index(other):] + [other]))
+            elif other not in state:
+                visit(other, path + [other])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, "\n".join(circles)

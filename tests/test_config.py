@@ -745,7 +745,7 @@ def test_off_policy_correction_defaults_to_token_tis_when_rollouts_run_ahead():
     """actor.off_policy.is_level=auto: token TIS exactly when max_staleness > 0 and nothing else
     corrects; null is off at any K; what auto chose is printed by `config show`."""
     from megatron_grpo.config.derived import implied_settings
-    from megatron_grpo.trainer.loop import grpo_loss_config
+    from megatron_grpo.trainer.step_settings import grpo_loss_config
 
     def level(*overrides):
         return grpo_loss_config(valid(*overrides)).off_policy.is_level

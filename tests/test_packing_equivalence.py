@@ -66,7 +66,7 @@ def _packed_and_padded(rank, world_size, policy_path, ref_path, parallel, overri
     from megatron_grpo.convert import export_hf_weights, load_hf_weights
     from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
     from megatron_grpo.models import ModelArchitecture, build_model, build_reference_model
-    from megatron_grpo.trainer.loop import global_batch_info, grpo_loss_config
+    from megatron_grpo.trainer.step_settings import global_batch_info, grpo_loss_config
     from megatron_grpo.trainer.batches.micro_batches import padding_metrics, plan_micro_batches
     from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
     from megatron_grpo.trainer.step.train_step import fill_logprobs, train_on_mini_batch

@@ -7,10 +7,16 @@ from __future__ import annotations
 from megatron_grpo.config.schema import Config
 
 
+def rollouts_run_ahead(cfg: Config) -> bool:
+    """Asynchronous GRPO: batches are generated ahead of training (rollout.max_staleness > 0;
+    trainer/rollouts/rollout_pipeline.py), so samples may be up to that many versions old."""
+    return cfg.rollout.max_staleness > 0
+
+
 def engine_in_own_process(cfg: Config) -> bool:
-    """rollout.local.process, or by default: when rollouts run ahead of training (max_staleness > 0)."""
+    """rollout.local.process, or by default: when rollouts run ahead of training."""
     local = cfg.rollout.local
-    return local.process if local.process is not None else cfg.rollout.max_staleness > 0
+    return local.process if local.process is not None else rollouts_run_ahead(cfg)
 
 
 def sampling_replay_enabled(cfg: Config) -> bool:

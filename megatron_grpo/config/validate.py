@@ -10,7 +10,8 @@ import json
 from typing import Optional
 
 from megatron_grpo.config.coerce import field_types
-from megatron_grpo.config.derived import longest_sequence, overlong_cap, sampling_replay_enabled, values_at
+from megatron_grpo.config.derived import (longest_sequence, overlong_cap, rollouts_run_ahead, sampling_replay_enabled,
+                                          values_at)
 from megatron_grpo.config.model_dims import ModelDims, hf_config_file, model_dims
 from megatron_grpo.config.names import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, REWARD_FUNCTIONS, check_name, unknown_name
 from megatron_grpo.config.policy_clip import clip_problems
@@ -243,7 +244,7 @@ def _long_tail(c: Config, out: list[str]) -> None:
     if lt.partial_rollout and c.actor.moe_routing_replay:
         out.append("rollout.long_tail.partial_rollout with actor.moe_routing_replay=true: a continued sequence's "
                    "prefix would be routed again under the new weights, not as it was generated; turn one off")
-    if lt.partial_rollout and c.rollout.max_staleness == 0 and not lt.allow_off_policy:
+    if lt.partial_rollout and not rollouts_run_ahead(c) and not lt.allow_off_policy:
         out.append("rollout.long_tail.partial_rollout=true with rollout.max_staleness=0: carried tokens come from the "
                    "previous weights, which makes the on-policy step off-policy by one version; set "
                    "rollout.long_tail.allow_off_policy=true to accept that, or use max_staleness >= 1")
@@ -278,10 +279,10 @@ def _asynchronous(c: Config, out: list[str]) -> None:
     if r.max_staleness < 0:
         out.append(f"rollout.max_staleness={r.max_staleness} must be >= 0 (0 = on-policy, synchronous)")
     in_process = r.engine == "local" and r.local.process is False
-    if r.max_staleness > 0 and in_process:
+    if rollouts_run_ahead(c) and in_process:
         out.append(f"rollout.max_staleness={r.max_staleness} needs the local engine in its own process to generate "
                    f"while the trainer trains: rollout.local.process=false runs it in the trainer's")
-    if r.max_staleness > 0 and r.engine == "sglang" and r.sglang.weight_sync == "tensor":
+    if rollouts_run_ahead(c) and r.engine == "sglang" and r.sglang.weight_sync == "tensor":
         out.append("rollout.max_staleness > 0 with rollout.sglang.weight_sync=tensor: colocated engines give the GPU "
                    "to training, so they cannot generate during it; use weight_sync=distributed")
     tensor = r.engine == "sglang" and r.sglang.weight_sync == "tensor"
@@ -289,7 +290,7 @@ def _asynchronous(c: Config, out: list[str]) -> None:
         out.append("rollout.weight_sync_route=colocated feeds SGLang engines on the trainer's GPUs: it needs "
                    "rollout.engine=sglang with rollout.sglang.weight_sync=tensor")
     if r.weight_sync_route == "per_stage":
-        if r.engine == "local" and (in_process or (r.local.process is None and r.max_staleness == 0)):
+        if r.engine == "local" and (in_process or (r.local.process is None and not rollouts_run_ahead(c))):
             out.append("rollout.weight_sync_route=per_stage needs the local engine in its own process "
                        "(rollout.local.process=true): in the trainer's process only rank 0 can reach it")
         if r.engine == "sglang" and r.sglang.weight_sync != "distributed":

@@ -262,7 +262,7 @@ def _forward_only(chunks, micro_batches, cfg: Config, arch: ModelArchitecture, d
 
 
 def _train(policy, optimizer, micro_batches, cfg: Config, arch: ModelArchitecture, device) -> None:
-    from megatron_grpo.trainer.loop import global_batch_info, grpo_loss_config
+    from megatron_grpo.trainer.step_settings import global_batch_info, grpo_loss_config
     from megatron_grpo.trainer.step.train_step import train_on_mini_batch
 
     train_on_mini_batch(policy, optimizer, micro_batches, loss_config=grpo_loss_config(cfg),

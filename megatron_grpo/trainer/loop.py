@@ -20,17 +20,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.algo import AdvantageConfig, GlobalBatchInfo, GRPOLossConfig, PolicyClipConfig
 from megatron_grpo.config import to_dict
-from megatron_grpo.config.derived import carried_staleness, long_tail_enabled, overlong_cap, sampling_replay_enabled
 from megatron_grpo.config.schema import Config
-from megatron_grpo.config.validate import PENALISED_FILTER_METRICS
 from megatron_grpo.errors import RolloutFailure
 from megatron_grpo.launch.collectives import agree, attempt_on_rank0, broadcast_from_rank0, on_rank0, rank0_only
 from megatron_grpo.launch.watchdog import HangWatchdog, is_collective_timeout
-from megatron_grpo.rewards.overlong import OverlongPenalty
-from megatron_grpo.rollout.types import SamplingParams
-from megatron_grpo.trainer.batches.batching import MicroBatch
 from megatron_grpo.trainer.step.flops import peak_flops_per_device, training_flops
 from megatron_grpo.trainer.state.checkpoint import Checkpointer
 from megatron_grpo.trainer.preflight import check_before_training
@@ -38,15 +32,14 @@ from megatron_grpo.trainer.metrics import MetricsLogger, NullLogger, SinkOptions
 from megatron_grpo.trainer.batches.micro_batches import padding_metrics, plan_micro_batches
 from megatron_grpo.trainer.state.resume import resume
 from megatron_grpo.trainer.engines.local_engine import trainer_threads
-from megatron_grpo.trainer.rollouts.long_tail import LongTailSettings
-from megatron_grpo.trainer.rollouts.multi_turn import multi_turn_settings
-from megatron_grpo.trainer.rollouts.rollout_phase import RolloutSettings, collect_rollout_batch
+from megatron_grpo.trainer.rollouts.rollout_phase import collect_rollout_batch
 from megatron_grpo.trainer.rollouts.rollout_pipeline import RolloutPipeline
 from megatron_grpo.trainer.setup import Run, build_run, first_mini_batch_has_old_pass, old_logprobs_needed
 from megatron_grpo.trainer.signals import StopSignals
 from megatron_grpo.trainer.step.reward_kl import apply_kl_in_reward
 from megatron_grpo.trainer.step.mismatch import MismatchHealth
 from megatron_grpo.trainer.step.train_step import fill_logprobs, holds_distinct_tokens, train_on_mini_batch
+from megatron_grpo.trainer.step_settings import global_batch_info
 from megatron_grpo.trainer.sync.weight_sync import release_engine_for_training, sync_weights
 
 
@@ -81,8 +74,8 @@ def _train(run: Run) -> Path:
             logger.log(start, preflight)
         if cfg.eval.before_train and start == 0:
             logger.log(0, evaluate_policy(run))
-        if cfg.rollout.max_staleness > 0 and run.is_main:
-            pipeline = RolloutPipeline(run, rollout_settings(cfg), start_step=start,
+        if run.settings.asynchronous and run.is_main:
+            pipeline = RolloutPipeline(run, run.settings.rollout, start_step=start,
                                        max_staleness=cfg.rollout.max_staleness).start()
         for step in range(start + 1, run.total_steps + 1):
             try:
@@ -159,16 +152,15 @@ def grpo_step(run: Run, step: int, pipeline: RolloutPipeline | None = None,
             with _on_device(run.reference, run.device, offloaded=cfg.ref.param_offload):
                 _fill_logprobs(run, run.reference, batch.samples, "ref_logprobs")
     if run.kl_controller is not None:  # algorithm.use_kl_in_reward: advantages from the penalised scores
-        metrics.update(apply_kl_in_reward(batch, run.kl_controller, cfg.algorithm.kl_penalty, rollout_settings(cfg)))
+        metrics.update(apply_kl_in_reward(batch, run.kl_controller, cfg.algorithm.kl_penalty, run.settings.rollout))
 
     # 3. this rank's share as micro-batches per mini-batch (packed by default).
     mini_batches = plan_micro_batches(batch.samples, cfg, model_config=run.model_config)
     metrics.update(padding_metrics(mini_batches))
 
     # 4. ppo_epochs x mini-batch updates.
-    loss_config = grpo_loss_config(cfg)
     # weight versions each sample is behind the trained weights (version step - 1): asynchronous only
-    staleness = [step - 1 - v for v in batch.versions] if cfg.rollout.max_staleness > 0 else None
+    staleness = [step - 1 - v for v in batch.versions] if run.settings.asynchronous else None
     # every trained token's trainer-vs-engine log-prob difference, on the first pass (step-start weights)
     mismatch = MismatchHealth([s.engine for s in batch.samples], staleness)
     with timer("train"):
@@ -182,7 +174,7 @@ def grpo_step(run: Run, step: int, pipeline: RolloutPipeline | None = None,
 
                 phase("train", step, where)
                 updates.append(train_on_mini_batch(
-                    run.policy, run.optimizer, micro_batches, loss_config=loss_config,
+                    run.policy, run.optimizer, micro_batches, loss_config=run.settings.loss,
                     batch_info=global_batch_info(micro_batches, cfg),
                     temperature=cfg.rollout.temperature, vocab_size=run.model_config.vocab_size,
                     device=run.device, need_entropy=True, sample_staleness=staleness,
@@ -220,10 +212,10 @@ def _rollout_batch(run: Run, step: int, pipeline: RolloutPipeline | None, phase:
     if pipeline is not None:
         return pipeline.next_batch(step)
     # partial rollouts at max_staleness 0 (allow_off_policy): carried tokens at most one version old
-    lag = carried_staleness(run.config)
+    lag = run.settings.carried_staleness
     return collect_rollout_batch(run.engine, lambda: next(run.sampler), run.tokenizer,
                                  PhasedRewards(run.rewards, lambda name: phase(name, step)),
-                                 rollout_settings(run.config), step, run.config.data.train_batch_size,
+                                 run.settings.rollout, step, run.config.data.train_batch_size,
                                  min_weight_version=None if lag is None else step - 1 - lag, carry=run.carry_over)
 
 
@@ -249,59 +241,6 @@ def start_watchdog(out: Path, timeout_s: float) -> HangWatchdog:
     life = broadcast_from_rank0(time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
     return HangWatchdog(out / "heartbeats" / life, out / "hangs" / life, dist.get_rank(), dist.get_world_size(),
                         timeout_s).start()
-
-
-def rollout_settings(cfg: Config) -> RolloutSettings:
-    r = cfg.rollout
-    sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
-                              max_new_tokens=r.max_new_tokens or cfg.data.max_response_length,
-                              stop=tuple(r.stop), stop_token_ids=tuple(r.stop_token_ids), seed=cfg.trainer.seed)
-    return RolloutSettings(n=r.n, sampling=sampling, adv_estimator=cfg.algorithm.adv_estimator,
-                           advantage_config=AdvantageConfig(norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo),
-                           filter_groups=cfg.algorithm.filter_groups.enable,
-                           max_generation_rounds=cfg.algorithm.filter_groups.max_num_gen_batches,
-                           routing_replay=cfg.actor.moe_routing_replay,
-                           sampling_replay=sampling_replay_enabled(cfg), multi_turn=multi_turn_settings(cfg),
-                           overlong=overlong_penalty(cfg),
-                           filter_on_penalised=cfg.algorithm.filter_groups.metric in PENALISED_FILTER_METRICS,
-                           score_while_generating=cfg.reward.score_while_generating,
-                           long_tail=long_tail_settings(cfg))
-
-
-def long_tail_settings(cfg: Config) -> LongTailSettings | None:
-    lt = cfg.rollout.long_tail
-    if not long_tail_enabled(cfg):
-        return None
-    return LongTailSettings(over_sampling_groups=lt.over_sampling_groups, partial_rollout=lt.partial_rollout)
-
-
-def overlong_penalty(cfg: Config) -> OverlongPenalty | None:
-    b = cfg.reward.overlong_buffer
-    if not b.enable:
-        return None
-    return OverlongPenalty(max_response_length=overlong_cap(cfg), length=b.len, penalty_factor=b.penalty_factor)
-
-
-def grpo_loss_config(cfg: Config) -> GRPOLossConfig:
-    a = cfg.actor
-    return GRPOLossConfig(
-        policy_loss=a.policy_loss.loss_mode,
-        policy_clip=PolicyClipConfig(clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-                                     clip_ratio_c=a.clip_ratio_c, tis_cap=a.tis_cap),
-        off_policy=a.off_policy.resolve(cfg.rollout.max_staleness, a.tis_cap),
-        loss_agg_mode=a.loss_agg_mode, use_kl_loss=a.use_kl_loss and a.kl_loss_coef != 0, kl_loss_coef=a.kl_loss_coef,
-        kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff)
-
-
-def global_batch_info(micro_batches: list[MicroBatch], cfg: Config) -> GlobalBatchInfo:
-    """Mini-batch denominators over all DP ranks (algo/aggregation.py), in this run's layout."""
-    from megatron.core import parallel_state as ps
-
-    return GlobalBatchInfo.from_row_token_counts(
-        [mb.row_token_counts for mb in micro_batches], data_parallel=ps.get_data_parallel_world_size(),
-        context_parallel=ps.get_context_parallel_world_size(), num_micro_batches=len(micro_batches),
-        loss_scale_factor=cfg.actor.loss_scale_factor or cfg.data.max_response_length,
-        process_group=ps.get_data_parallel_group())
 
 
 def _fill_logprobs(run: Run, model_chunks, samples, name: str, skip_mini_batches: int = 0) -> None:

@@ -78,11 +78,9 @@ def run_preflight(run, version: int) -> list[PreflightCheck]:
     """The four checks on this run (collective: every rank). The engine holds weight version
     `version` (the policy's weights) before and after; the prompts come from a copy of the sampler,
     so training sees the same data as without a preflight."""
-    from megatron_grpo.trainer.loop import rollout_settings
-
     cfg = run.config
     bound = mismatch_bound(run.dtype)
-    settings = rollout_settings(cfg)
+    settings = run.settings.rollout
     prompts = copy.deepcopy(run.sampler) if run.is_main else None
     rounds, samples = [], []
     for _ in range(cfg.trainer.preflight_rounds):

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from megatron_grpo.trainer.rollouts.long_tail import CarryOver
     from megatron_grpo.trainer.state.resume_plan import Candidate
     from megatron_grpo.trainer.state.run_lock import HeldFolders
+    from megatron_grpo.trainer.step_settings import StepSettings
     from megatron_grpo.trainer.sync.stage_sync import StageSync
     from megatron_grpo.trainer.assembly.update_guard import NonFiniteUpdateGuard
 
@@ -77,6 +78,7 @@ class Run:
     tokenizer: PreTrainedTokenizerBase
     total_steps: int
     record: dict                              # what defines the run (run_folder.run_record)
+    settings: StepSettings                    # the recipe as the step's parts take it, built once
     resume_plan: list[Candidate] = field(default_factory=list)  # checked checkpoints, best first
     rank0: Rank0Parts | None = None           # global rank 0 only
     stage_sync: StageSync | None = None       # per-stage weight sync (trainer/sync/stage_sync.py), or rank 0's route
@@ -270,9 +272,11 @@ def _build_in_folder(cfg: Config, layout, device: torch.device, dtype: torch.dty
             for chunk in reference:
                 chunk.to(device)
 
+    from megatron_grpo.trainer.step_settings import step_settings
+
     rank0 = rank0_only(build_rank0_parts, cfg, prompts, model_dir, device, dtype)
-    return Run(config=cfg, device=device, dtype=dtype, model_config=model_config, model_dir=model_dir,
-               policy=policy,
+    return Run(config=cfg, settings=step_settings(cfg), device=device, dtype=dtype, model_config=model_config,
+               model_dir=model_dir, policy=policy,
                # Skips updates whose gradient norm is NaN / Inf; stops after max_consecutive_nan_steps in a row.
                optimizer=NonFiniteUpdateGuard(optimizer, limit=cfg.trainer.max_consecutive_nan_steps),
                scheduler=scheduler, reference=reference, tokenizer=tokenizer, total_steps=total_steps,

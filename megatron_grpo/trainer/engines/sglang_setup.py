@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_grpo.config.derived import engine_kv_tokens, engine_memory_released
+from megatron_grpo.config.derived import engine_kv_tokens, engine_memory_released, rollouts_run_ahead
 from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import ConfigError, MegatronGRPOError
 
@@ -153,7 +153,7 @@ def build_sglang_engine(cfg: Config, model_dir: Path, output_dir: Path, dtype: t
         engine = SGLangEngine(client, transport, generate_client=generate_client, pool=pool, options=EngineOptions(
             send_seeds=s.deterministic_inference, verify_interval=s.verify_interval,
             health_check_interval_s=s.health_check_interval_s, health_check_timeout_s=s.health_check_timeout_s,
-            min_engines=s.min_engines, resubmit_aborted=cfg.rollout.max_staleness > 0,
+            min_engines=s.min_engines, resubmit_aborted=rollouts_run_ahead(cfg),
             routed_experts_shape=routes_shape, model=model), launcher=launcher)
         health = engine.health()
         if not health:
