@@ -167,11 +167,11 @@ def test_behaviour_objective_clips_against_the_rollout_log_probs():
 
 def test_staleness_gap_sums():
     proximal, behaviour, mask = _inputs(seed=7)
-    staleness = torch.tensor([0, 1, 0, 2, 1])
+    staleness = [0, 1, 0, 2, 1]
     sums = staleness_gap_sums(proximal, behaviour, mask, staleness)
     assert sorted(sums) == [0, 1, 2]
     for s, (total, count) in sums.items():
-        rows = [i for i in range(B) if int(staleness[i]) == s]
+        rows = [i for i in range(B) if staleness[i] == s]
         ref = sum(abs(float(proximal[i, t]) - float(behaviour[i, t])) for i in rows for t in range(T) if mask[i, t])
         ref_count = sum(int(mask[i].sum()) for i in rows)
         assert int(count) == ref_count

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -266,10 +267,13 @@ def scripts(tmp_path_factory) -> dict[str, list[dict]]:
         for launcher in launchers.values():
             launcher.wait_healthy(timeout_s=300, poll_s=0.5)
         edited = edited_tensors(model_dir)
-        return {name: run_script(launcher.servers[0].url, model_dir, edited) for name, launcher in launchers.items()}
+        with ThreadPoolExecutor(len(launchers)) as pool:  # the two servers answer the script side by side
+            futures = {name: pool.submit(run_script, launcher.servers[0].url, model_dir, edited)
+                       for name, launcher in launchers.items()}
+            return {name: future.result() for name, future in futures.items()}
     finally:
-        for launcher in launchers.values():
-            launcher.shutdown(grace_s=5)
+        with ThreadPoolExecutor(len(launchers)) as pool:
+            list(pool.map(lambda launcher: launcher.shutdown(grace_s=5), launchers.values()))
 
 
 def test_real_and_harness_answer_the_script_alike(scripts):

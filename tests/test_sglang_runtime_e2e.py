@@ -67,8 +67,9 @@ def test_bfloat16_disk_sync_default_task_every_sync_checked_against_the_trainer(
     """The embedded default's task with the engine the trainer launches, weights synced through disk,
     in bfloat16 (the GPU default; the launcher passes --dtype bfloat16) on both sides: every parameter
     the engine holds equals the trainer's bf16 tensor after every sync (SGLang's /weights_checker
-    checksums), and the log-prob mismatch is bf16's. (fp32 to 1e-5: the 32B layout below.)"""
-    steps = 3
+    checksums), and the log-prob mismatch is bf16's. (fp32 to 1e-5: the 32B layout below.) Two steps:
+    step 2 samples with weights synced after training."""
+    steps = 2
     records, log = _train_cli(tmp_path, "model.dtype=bfloat16", "rollout.sglang.weight_sync=disk",
                               f"trainer.total_steps={steps}")
     assert [r["step"] for r in records] == list(range(1, steps + 1))

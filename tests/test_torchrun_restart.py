@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_a_rank_killed_under_torchrun_max_restarts_resumes_from_the_checkpoint(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", "-m", "megatron_grpo.train", "tiny_cpu", "trainer.total_steps=12",
+           "--max-restarts", "1", "-m", "megatron_grpo.train", "tiny_cpu", "trainer.total_steps=8",
            "checkpoint.save_interval=2", "eval.interval=-1", "logging.console=false", "logging.plot=false",
            f"logging.output_dir={out}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))
@@ -46,6 +46,6 @@ def test_a_rank_killed_under_torchrun_max_restarts_resumes_from_the_checkpoint(t
     text = log.read_text()
     resumed = [line for line in text.splitlines() if "resume: start: step" in line]
     assert resumed and "start: step 0 " in resumed[0], resumed
-    assert any(f"start: step {n} " in resumed[-1] for n in (4, 6, 8, 10)), resumed  # from a checkpoint
+    assert any(f"start: step {n} " in resumed[-1] for n in (4, 6)), resumed  # from a checkpoint
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert steps == list(range(1, 13)), steps
+    assert steps == list(range(1, 9)), steps

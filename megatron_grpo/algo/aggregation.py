@@ -90,7 +90,7 @@ class GlobalBatchInfo:
         hold parts of rows, agree), summed over `process_group` (the data-parallel group) when
         data_parallel > 1. The framework terms are megatron's (the module docstring): DDP averages
         over DP x CP and the schedule divides a 2-tuple loss by num_micro_batches / CP."""
-        counts = torch.cat([c.reshape(-1).cpu() for c in row_token_counts]) if row_token_counts else torch.zeros(0)
+        counts = torch.cat([c.reshape(-1) for c in row_token_counts]).cpu() if row_token_counts else torch.zeros(0)
         totals = torch.tensor([int(counts.sum()), int((counts > 0).sum())], dtype=torch.int64)
         if data_parallel > 1:
             if process_group is None:

@@ -210,15 +210,17 @@ def check_supports(targets: torch.Tensor, support: torch.Tensor, ignored: torch.
 
 def prepare_support(targets: torch.Tensor, support: torch.Tensor, ignore_mask: Optional[torch.Tensor],
                     ignore_index: int, vocab_size: Optional[int], shard: VocabShard,
-                    chunk_size: int) -> torch.Tensor:
-    """Checks the arguments shared by the logits and fused-head entry points; returns ignored [N]."""
+                    chunk_size: int, checked: bool = False) -> torch.Tensor:
+    """Checks the arguments shared by the logits and fused-head entry points; returns ignored [N].
+    checked=True: the caller checked the targets and supports' values (no host read here)."""
     check_support_shape(support, targets)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if vocab_size is None:
         vocab_size = shard.local_size * shard.world_size
-    ignored = flatten_ignored(targets, ignore_mask, ignore_index, vocab_size)
-    check_supports(targets, support, ignored, vocab_size, chunk_size)
+    ignored = flatten_ignored(targets, ignore_mask, ignore_index, vocab_size, checked)
+    if not checked:
+        check_supports(targets, support, ignored, vocab_size, chunk_size)
     return ignored
 
 
@@ -308,12 +310,13 @@ class _SupportLogProbs(torch.autograd.Function):
 
 
 def _run(logits, targets, support, temperature, vocab_size, ignore_mask, ignore_index, tp_group, chunk_size,
-         with_entropy):
+         with_entropy, checked=False):
     _check_args(logits, targets, temperature)
     shard = resolve_vocab_shard(logits.shape[-1], vocab_size, tp_group)
     if chunk_size is None:
         chunk_size = default_chunk_size(max(support.shape[-1] if support.dim() else 1, 1), logits.device)
-    ignored = prepare_support(targets, support, ignore_mask, ignore_index, vocab_size, shard, int(chunk_size))
+    ignored = prepare_support(targets, support, ignore_mask, ignore_index, vocab_size, shard, int(chunk_size),
+                              checked)
     return _SupportLogProbs.apply(logits, targets, support, ignored, float(temperature), shard, int(chunk_size),
                                   with_entropy)
 
@@ -337,9 +340,9 @@ def vocab_parallel_support_logprobs(logits: torch.Tensor, targets: torch.Tensor,
 def vocab_parallel_support_logprobs_and_entropy(
         logits: torch.Tensor, targets: torch.Tensor, support: torch.Tensor, *, temperature: float = 1.0,
         vocab_size: Optional[int] = None, ignore_mask: Optional[torch.Tensor] = None, ignore_index: int = -100,
-        tp_group: Optional[dist.ProcessGroup] = None,
-        chunk_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        tp_group: Optional[dist.ProcessGroup] = None, chunk_size: Optional[int] = None,
+        checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, entropy) of the truncated distribution; both differentiable. Same arguments as
-    `vocab_parallel_support_logprobs`."""
+    `vocab_parallel_support_logprobs`; checked as in ops.vocab_parallel.vocab_parallel_logprobs_and_entropy."""
     return _run(logits, targets, support, temperature, vocab_size, ignore_mask, ignore_index, tp_group,
-                chunk_size, True)
+                chunk_size, True, checked)

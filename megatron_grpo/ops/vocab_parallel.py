@@ -152,14 +152,17 @@ def local_targets_and_ownership(targets: torch.Tensor, ignored: torch.Tensor,
 
 
 def flatten_ignored(targets: torch.Tensor, ignore_mask: Optional[torch.Tensor], ignore_index: int,
-                    vocab_size: int) -> torch.Tensor:
-    """Bool [N] of ignored positions; raises if a kept position has a target outside the vocab."""
+                    vocab_size: int, checked: bool = False) -> torch.Tensor:
+    """Bool [N] of ignored positions; raises if a kept position has a target outside the vocab
+    (a host read of the check's result; checked=True: the caller checked them, e.g. on the host)."""
     flat = targets.reshape(-1)
     ignored = flat == ignore_index
     if ignore_mask is not None:
         if ignore_mask.shape != targets.shape:
             raise ValueError(f"ignore_mask shape {tuple(ignore_mask.shape)} != targets shape {tuple(targets.shape)}")
         ignored = ignored | ignore_mask.reshape(-1).to(torch.bool)
+    if checked:
+        return ignored
     bad = (~ignored) & ((flat < 0) | (flat >= vocab_size))
     if bool(bad.any()):
         pos = int(bad.nonzero()[0, 0])
@@ -198,10 +201,11 @@ def chunk_grad(z: torch.Tensor, rows: slice, lse: torch.Tensor, mean_z: Optional
         p = torch.sub(z, lse[rows].unsqueeze(1)).exp_()
         grad = z.sub_(mean_z[rows].unsqueeze(1)).mul_(grad_entropy[rows].unsqueeze(1)).add_(g_lp).mul_(p).neg_()
         del p
+    # + g_lp at each owned target column; rows owning none add -0.0 at column 0, which leaves every
+    # value as it is, bit for bit (x + -0.0 == x): no host read of which rows own one
     own = owned[rows]
-    if bool(own.any()):
-        r = own.nonzero().squeeze(1)
-        grad[r, local_targets[rows][r]] += grad_logp[rows][r]
+    columns = torch.where(own, local_targets[rows], 0)
+    grad[torch.arange(grad.shape[0], device=grad.device), columns] += torch.where(own, grad_logp[rows], -0.0)
     return grad
 
 
@@ -272,11 +276,11 @@ def _check_args(logits: torch.Tensor, targets: torch.Tensor, temperature: float)
 
 
 def _run(logits, targets, temperature, vocab_size, ignore_mask, ignore_index, tp_group, chunk_size,
-         with_entropy):
+         with_entropy, checked=False):
     _check_args(logits, targets, temperature)
     shard = resolve_vocab_shard(logits.shape[-1], vocab_size, tp_group)
     ignored = flatten_ignored(targets, ignore_mask, ignore_index, shard.local_size * shard.world_size
-                              if vocab_size is None else vocab_size)
+                              if vocab_size is None else vocab_size, checked)
     if chunk_size is None:
         chunk_size = default_chunk_size(shard.local_size, logits.device)
     if chunk_size < 1:
@@ -303,7 +307,10 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temp
 def vocab_parallel_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                                         vocab_size: Optional[int] = None, ignore_mask: Optional[torch.Tensor] = None,
                                         ignore_index: int = -100, tp_group: Optional[dist.ProcessGroup] = None,
-                                        chunk_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                        chunk_size: Optional[int] = None,
+                                        checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, entropy) of softmax(logits / temperature); both differentiable. Same arguments as
-    `vocab_parallel_logprobs`."""
-    return _run(logits, targets, temperature, vocab_size, ignore_mask, ignore_index, tp_group, chunk_size, True)
+    `vocab_parallel_logprobs`; checked=True: the targets were checked by the caller (the trainer
+    checks a mini-batch's on the host, check_targets_on_host), so no host read here."""
+    return _run(logits, targets, temperature, vocab_size, ignore_mask, ignore_index, tp_group, chunk_size, True,
+                checked)

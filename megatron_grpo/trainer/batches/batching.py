@@ -86,6 +86,13 @@ class PackedSequences:
     cu_seqlens: torch.Tensor          # [n+1] int32
     cu_seqlens_padded: torch.Tensor   # [n+1] int32
     cp_size: int = 1
+    # cu_seqlens_padded on the host, read where it is made and kept when the tensors move to a
+    # device: the sizes below never read the device back
+    host_bounds: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.host_bounds is None:
+            object.__setattr__(self, "host_bounds", tuple(int(b) for b in self.cu_seqlens_padded.tolist()))
 
     @property
     def num_sequences(self) -> int:
@@ -94,15 +101,15 @@ class PackedSequences:
     @property
     def total_length(self) -> int:
         """Processed tokens of the whole row (all CP ranks together)."""
-        return int(self.cu_seqlens_padded[-1])
+        return self.host_bounds[-1]
 
     @property
     def max_seqlen(self) -> int:
-        return int((self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).max())
+        return max(b - a for a, b in zip(self.host_bounds, self.host_bounds[1:]))
 
     @functools.cached_property
     def _row_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        bounds = (self.cu_seqlens_padded.long() // self.cp_size).tolist()
+        bounds = [b // self.cp_size for b in self.host_bounds]
         widths = [b - a for a, b in zip(bounds, bounds[1:])]
         width = max(widths)
         index = torch.zeros(len(widths), width, dtype=torch.long)

@@ -129,27 +129,51 @@ def engine_label(engine: str) -> str:
 
 class MismatchHealth:
     """Collects deltas over one step's first pass through its mini-batches (the loss function
-    calls `add_rows`), then `reduce` merges every rank's statistics (a collective) into metrics."""
+    calls `add_rows`, which keeps them on the device), then `reduce` reads them to the host at once,
+    and merges every rank's statistics (a collective) into metrics."""
 
     def __init__(self, sample_engines: list[str], sample_staleness: list[int] | None = None):
         self.sample_engines = [engine_label(e) for e in sample_engines]
         self.sample_staleness = sample_staleness
-        self.stats: dict[str, DeltaStats] = {}
+        self._by_key: dict[str, DeltaStats] = {}
+        self._pending: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def stats(self) -> dict[str, DeltaStats]:
+        """This rank's statistics by split (what add_rows kept is taken in first)."""
+        self._take_pending()
+        return self._by_key
 
     def _stats(self, key: str) -> DeltaStats:
-        return self.stats.setdefault(key, DeltaStats())
+        return self._by_key.setdefault(key, DeltaStats())
 
     def add_rows(self, sample_indices: list[int], delta: torch.Tensor, mask: torch.Tensor,
                  fraction: torch.Tensor) -> None:
         """delta, mask, fraction: [rows, w] with row i = sample_indices[i] (rows past them are padding);
-        fraction: where in its response each token is, in [0, 1). One histogram update per split,
-        not per row: the loss function calls this for every micro-batch."""
+        fraction: where in its response each token is, in [0, 1). Kept on the device until `reduce`
+        (the loss function calls this for every micro-batch: no host read there)."""
         rows = len(sample_indices)
-        keep = mask[:rows].detach().cpu()
-        values = delta[:rows].detach().cpu()[keep]
+        self._pending.append((list(sample_indices), delta[:rows].detach(), mask[:rows].detach(),
+                              fraction[:rows].detach()))
+
+    def _take_pending(self) -> None:
+        """The kept micro-batches' rows to the host in one read per tensor kind, then into the histograms."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        sizes = [delta.numel() for _, delta, _, _ in pending]
+        host = [torch.cat([entry[k].reshape(-1) for entry in pending]).cpu().split(sizes) for k in (1, 2, 3)]
+        for (indices, delta, _, _), values, keep, fraction in zip(pending, *host):
+            shape = delta.shape
+            self._add_host_rows(indices, values.reshape(shape), keep.reshape(shape), fraction.reshape(shape))
+
+    def _add_host_rows(self, sample_indices: list[int], delta: torch.Tensor, keep: torch.Tensor,
+                       fraction: torch.Tensor) -> None:
+        """One micro-batch's rows (host tensors): one histogram update per split, not per row."""
+        values = delta[keep]
         row_of_token = keep.nonzero()[:, 0]
         self._stats("").add(values)
-        third = (fraction[:rows].detach().cpu()[keep] * 3).clamp(max=2.999).long()
+        third = (fraction[keep] * 3).clamp(max=2.999).long()
         for i, name in enumerate(POSITIONS):
             self._stats(f"position_{name}/").add(values[third == i])
         self._add_by("engine_{}/", [self.sample_engines[i] for i in sample_indices], values, row_of_token)

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from megatron_grpo.algo import GlobalBatchInfo, GRPOLossConfig, compute_grpo_loss, staleness_gap_sums
 from megatron_grpo.algo.off_policy import SAFETY_BOUND
 from megatron_grpo.models.moe_metrics import RouterStats
-from megatron_grpo.ops.support_logprobs import vocab_parallel_support_logprobs_and_entropy
-from megatron_grpo.ops.vocab_parallel import vocab_parallel_logprobs_and_entropy
+from megatron_grpo.ops.support_logprobs import check_supports, vocab_parallel_support_logprobs_and_entropy
+from megatron_grpo.ops.vocab_parallel import default_chunk_size, flatten_ignored, vocab_parallel_logprobs_and_entropy
 from megatron_grpo.trainer.batches.batching import MicroBatch, TrainSample
 from megatron_grpo.trainer.step.mismatch import MismatchHealth
 
@@ -94,14 +94,28 @@ def _run_schedule(model_chunks, micro_batches: list[MicroBatch], loss_func, forw
 def token_logprobs_and_entropy(micro_batch: MicroBatch, logits: torch.Tensor, *, temperature: float,
                                vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropy of the targets from this rank's logit shard: over each token's
-    sampling support when the micro-batch carries one (sampling replay), else the full vocabulary."""
+    sampling support when the micro-batch carries one (sampling replay), else the full vocabulary.
+    The targets were checked on the host before the pass (check_targets_on_host)."""
     ignore = ~micro_batch.loss_mask
     if micro_batch.support is None:
         return vocab_parallel_logprobs_and_entropy(logits, micro_batch.targets, temperature=temperature,
-                                                   vocab_size=vocab_size, ignore_mask=ignore)
+                                                   vocab_size=vocab_size, ignore_mask=ignore, checked=True)
     return vocab_parallel_support_logprobs_and_entropy(logits, micro_batch.targets, micro_batch.support,
                                                        temperature=temperature, vocab_size=vocab_size,
-                                                       ignore_mask=ignore)
+                                                       ignore_mask=ignore, checked=True)
+
+
+def check_targets_on_host(micro_batches: list[MicroBatch], vocab_size: int) -> None:
+    """The log-prob ops' checks of targets (and sampling supports), run once per pass on the
+    micro-batches' host tensors, before they move to the device: the ops then read nothing back."""
+    if not micro_batches:
+        return
+    flatten_ignored(torch.cat([mb.targets.reshape(-1) for mb in micro_batches]),
+                    torch.cat([~mb.loss_mask.reshape(-1) for mb in micro_batches]), -100, vocab_size)
+    for micro_batch in (mb for mb in micro_batches if mb.support is not None):  # (supports differ in width)
+        ignored = flatten_ignored(micro_batch.targets, ~micro_batch.loss_mask, -100, vocab_size, checked=True)
+        check_supports(micro_batch.targets, micro_batch.support, ignored, vocab_size,
+                       default_chunk_size(max(micro_batch.support.shape[-1], 1), torch.device("cpu")))
 
 
 def compute_logprobs(model_chunks, micro_batches: list[MicroBatch], *, temperature: float, vocab_size: int,
@@ -113,13 +127,19 @@ def compute_logprobs(model_chunks, micro_batches: list[MicroBatch], *, temperatu
 
     def loss_func(micro_batch: MicroBatch, logits: torch.Tensor):
         logp = token_logprobs_and_entropy(micro_batch, logits, temperature=temperature, vocab_size=vocab_size)[0]
-        return torch.zeros((), device=logits.device), {"logprobs": logp.detach().cpu()}
+        return torch.zeros((), device=logits.device), {"logprobs": logp.detach()}  # read after the pass
 
+    check_targets_on_host(micro_batches, vocab_size)
     with torch.no_grad():
         outputs = _run_schedule(model_chunks, micro_batches, loss_func, forward_only=True, device=device)
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    return [out["logprobs"] for out in outputs]
+    values = [out["logprobs"] for out in outputs]
+    if not values:
+        return []
+    # one host read for the whole pass (the schedule never waits for one)
+    flat = torch.cat([v.reshape(-1) for v in values]).cpu().split([v.numel() for v in values])
+    return [f.reshape(v.shape) for f, v in zip(flat, values)]
 
 
 def response_logprobs(micro_batches: list[MicroBatch], logprobs: list[torch.Tensor], samples: list[TrainSample],
@@ -228,8 +248,10 @@ def train_on_mini_batch(model_chunks, optimizer, micro_batches: list[MicroBatch]
             if sample_staleness is not None:
                 metrics.update(_staleness_metrics(micro_batch, old, behaviour, mask, batch_info,
                                                   sample_staleness, with_mean=not off_policy.weighted))
-        return output.loss, {k: v.detach().float().cpu() for k, v in metrics.items()}
+        # on the device: the host reads them once per mini-batch (_reduce_metrics), not per micro-batch
+        return output.loss, {k: v.detach().float() for k, v in metrics.items()}
 
+    check_targets_on_host(micro_batches, vocab_size)
     with RouterStats(model_chunks) as router_stats:  # MoE models: moe/* (expert load, router entropy, ...)
         outputs = _run_schedule(model_chunks, micro_batches, loss_func, forward_only=False, device=device)
     update_ok, grad_norm, _ = optimizer.step()
@@ -245,9 +267,9 @@ def _staleness_metrics(micro_batch: MicroBatch, proximal: torch.Tensor, behaviou
     """Additive shares (and one max) of the off-policy diagnostics of one micro-batch's rows."""
     from megatron_grpo.algo import token_mean_share
 
-    row_staleness = torch.full((mask.shape[0],), -1, dtype=torch.long)  # -1: a row of padding only
     indices = micro_batch.sample_indices
-    row_staleness[:len(indices)] = torch.tensor([sample_staleness[i] for i in indices], dtype=torch.long)
+    # -1: a row of padding only
+    row_staleness = [sample_staleness[i] for i in indices] + [-1] * (mask.shape[0] - len(indices))
     zero = torch.zeros((), dtype=proximal.dtype, device=proximal.device)
     log_ratio = (proximal - behaviour).detach().clamp(-SAFETY_BOUND, SAFETY_BOUND)
     ratio = torch.where(mask, log_ratio.exp(), zero)
@@ -285,10 +307,10 @@ def _reduce_metrics(outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Sums additive shares (max for MAX_METRICS) over micro-batches, then over the ranks that
     hold distinct data: last-stage ranks with TP rank 0 (TP ranks compute identical values)."""
     local: dict[str, float] = {}
-    for output in outputs:
-        for key, value in output.items():
-            value = float(value)
-            local[key] = max(local.get(key, value), value) if key in MAX_METRICS else local.get(key, 0.0) + value
+    keys = [key for output in outputs for key in output]
+    values = torch.stack([v.reshape(()) for output in outputs for v in output.values()]).tolist() if keys else []
+    for key, value in zip(keys, values):  # one host read for every micro-batch's metrics
+        local[key] = max(local.get(key, value), value) if key in MAX_METRICS else local.get(key, 0.0) + value
     contributes = bool(outputs) and holds_distinct_tokens()
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local if contributes else {})
