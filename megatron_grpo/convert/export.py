@@ -1,11 +1,13 @@
-"""Stream the sharded Megatron model out as full HF-named tensors, one tensor at a time.
+"""Stream the sharded Megatron model out as full HF-named tensors, moved in buckets.
 
 export_hf_weights(chunks, cfg)
     Per pipeline stage. A collective over this rank's TP group: every TP rank of the stage must
     iterate it in lockstep, and EVERY TP rank yields the same (hf_name, full tensor) pairs.
     Each stage yields only its own layers (with their global HF layer indices), the first stage
     the embedding, the last the final norm and (untied) lm_head. Tensors split over TP are
-    all-gathered one at a time, so at most one full tensor is alive per rank beyond the shards.
+    all-gathered in buckets (one all_gather per `bucket_bytes` of full tensors, the shards of several
+    tensors flattened into one buffer), so at most one bucket of full tensors is alive per rank beyond
+    the shards, and the collectives are O(bytes / bucket_bytes), not O(tensors).
     Data-parallel / context-parallel replicas may run it independently (same results).
     MoE experts (expert parallelism): each expert tensor is gathered over its expert tensor-parallel
     group, then over the stage's expert-parallel group (gather_experts_over_ep), so every rank of the
@@ -13,16 +15,18 @@ export_hf_weights(chunks, cfg)
 
 gather_hf_weights_on_rank0(chunks, cfg)
     The whole model on global rank 0, stage after stage: each stage exports as above, and the
-    rank of that stage in global rank 0's pipeline group sends each tensor to rank 0. Every rank
+    rank of that stage in global rank 0's pipeline group sends its tensors to rank 0 in buckets
+    (one pickled list of names, shapes and dtypes and one flat tensor per bucket). Every rank
     must exhaust the generator; it yields only on global rank 0 (nothing elsewhere).
 
 hf_weights_on_every_rank(chunks, cfg)
     The whole model on EVERY rank, stage after stage: each stage exports as above and broadcasts
-    each tensor over its pipeline group (colocated engines: each trainer rank feeds the engine on
-    its own GPU, which needs every layer). Every rank iterates it in lockstep.
+    its tensors over its pipeline group in buckets the same way (colocated engines: each trainer
+    rank feeds the engine on its own GPU, which needs every layer). Every rank iterates it in lockstep.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterator, Sequence
 
 import torch
@@ -33,29 +37,64 @@ from megatron_grpo.models.builder import unwrap
 from megatron_grpo.models.hf_config import ModelArchitecture
 
 
+EXPORT_BUCKET_BYTES = 512 * 2**20  # full tensors gathered (or sent between stages) per collective
+
+
 def export_hf_weights(model_chunks: Sequence[torch.nn.Module], cfg: ModelArchitecture,
-                      dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                      dtype: torch.dtype | None = None,
+                      bucket_bytes: int = EXPORT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, full tensor) for every HF tensor this pipeline stage owns; see module doc."""
     from megatron.core import parallel_state as ps
 
     tp_size = ps.get_tensor_model_parallel_world_size()
     tp_group = ps.get_tensor_model_parallel_group()
+    pending: list = []  # items held back, in model order, until their bucket's one gather
     for chunk in model_chunks:
         for item in bind(unwrap(chunk), cfg):
             if not item.rule.export:
                 continue
-            if item.expert is not None:
+            if item.expert is not None:  # gathered over expert TP and EP (gather_experts_over_ep)
+                yield from _bucket(pending, cfg, dtype, tp_size, tp_group)
+                pending = []
                 yield from gather_experts_over_ep(item, cfg, dtype)
                 continue
-            local = item.param.detach()
-            if item.rule.transform.tp_split and tp_size > 1:
-                shards = [torch.empty_like(local) for _ in range(tp_size)]
-                dist.all_gather(shards, local.contiguous(), group=tp_group)
-            else:
-                shards = [local]
-            for name, tensor in zip(item.hf_names, item.rule.transform.to_hf(shards, cfg)):
-                tensor = tensor if dtype is None else tensor.to(dtype)
-                yield name, tensor.contiguous()
+            split = [i for i in pending if _split(i, tp_size)]
+            if split and (_split(item, tp_size) and item.param.dtype != split[0].param.dtype
+                          or _full_bytes(pending + [item], tp_size) > bucket_bytes):
+                yield from _bucket(pending, cfg, dtype, tp_size, tp_group)
+                pending = []
+            pending.append(item)
+    yield from _bucket(pending, cfg, dtype, tp_size, tp_group)
+
+
+def _split(item, tp_size: int) -> bool:
+    return bool(item.rule.transform.tp_split) and tp_size > 1
+
+
+def _full_bytes(items, tp_size: int) -> int:
+    return sum(item.param.numel() * item.param.element_size() * (tp_size if _split(item, tp_size) else 1)
+               for item in items)
+
+
+def _bucket(items, cfg: ModelArchitecture, dtype, tp_size: int, tp_group):
+    """The items' HF tensors in order; the shards of the TP-split ones (one dtype) flattened into one
+    buffer and all-gathered once."""
+    split = [item for item in items if _split(item, tp_size)]
+    shards: dict[int, list[torch.Tensor]] = {}
+    if split:
+        flat = torch.cat([item.param.detach().reshape(-1) for item in split])
+        parts = [torch.empty_like(flat) for _ in range(tp_size)]
+        dist.all_gather(parts, flat, group=tp_group)
+        offset = 0
+        for item in split:
+            count, shape = item.param.numel(), item.param.shape
+            shards[id(item)] = [part[offset:offset + count].view(shape) for part in parts]
+            offset += count
+    for item in items:
+        for name, tensor in zip(item.hf_names, item.rule.transform.to_hf(shards.get(id(item), [item.param.detach()]),
+                                                                         cfg)):
+            tensor = tensor if dtype is None else tensor.to(dtype)
+            yield name, tensor.contiguous()
 
 
 def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
@@ -98,8 +137,34 @@ def _rename_expert(name: str, expert: int, other: int) -> str:
 _END = "__end_of_stage__"
 
 
+def _stage_buckets(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int):
+    """(metadata, flat tensor) per bucket of one dtype: metadata lists each tensor's (name, shape)."""
+    names, flats, size, kind = [], [], 0, None
+    for name, tensor in tensors:
+        if flats and (tensor.dtype != kind or size + tensor.numel() * tensor.element_size() > bucket_bytes):
+            yield names, torch.cat(flats)
+            names, flats, size = [], [], 0
+        kind = tensor.dtype
+        names.append((name, tuple(tensor.shape)))
+        flats.append(tensor.reshape(-1))
+        size += tensor.numel() * tensor.element_size()
+    if flats:
+        yield names, torch.cat(flats)
+
+
+def _unpacked(names: list[tuple[str, tuple]], flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A received bucket's tensors, each its own storage (a writer such as safetensors refuses
+    tensors that share one)."""
+    offset = 0
+    for name, shape in names:
+        count = math.prod(shape)
+        yield name, flat[offset:offset + count].view(shape).clone()
+        offset += count
+
+
 def gather_hf_weights_on_rank0(model_chunks: Sequence[torch.nn.Module], cfg: ModelArchitecture,
-                               dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                               dtype: torch.dtype | None = None,
+                               bucket_bytes: int = EXPORT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
     """All HF tensors of the model, yielded on global rank 0 only; every rank must exhaust it."""
     from megatron.core import parallel_state as ps
 
@@ -111,14 +176,17 @@ def gather_hf_weights_on_rank0(model_chunks: Sequence[torch.nn.Module], cfg: Mod
     for stage in range(len(pp_ranks)):
         if stage == my_stage:
             sends = on_rank0_chain and rank != 0
-            for name, tensor in export_hf_weights(model_chunks, cfg, dtype):
-                if rank == 0:
-                    yield name, tensor
-                elif sends:
-                    dist.send_object_list([(name, tuple(tensor.shape), tensor.dtype)], dst=0)
-                    dist.send(tensor, dst=0)
-            if sends:
+            tensors = export_hf_weights(model_chunks, cfg, dtype, bucket_bytes)
+            if rank == 0:
+                yield from tensors
+            elif sends:
+                for names, flat in _stage_buckets(tensors, bucket_bytes):
+                    dist.send_object_list([(names, flat.dtype, flat.numel())], dst=0)
+                    dist.send(flat, dst=0)
                 dist.send_object_list([_END], dst=0)
+            else:
+                for _ in tensors:  # the stage's collectives, in lockstep with its TP / EP peers
+                    pass
         elif rank == 0:
             src = pp_ranks[stage]
             while True:
@@ -126,31 +194,33 @@ def gather_hf_weights_on_rank0(model_chunks: Sequence[torch.nn.Module], cfg: Mod
                 dist.recv_object_list(meta, src=src)
                 if meta[0] == _END:
                     break
-                name, shape, tensor_dtype = meta[0]
-                tensor = torch.empty(shape, dtype=tensor_dtype, device=device)
-                dist.recv(tensor, src=src)
-                yield name, tensor
+                names, flat_dtype, numel = meta[0]
+                flat = torch.empty(numel, dtype=flat_dtype, device=device)
+                dist.recv(flat, src=src)
+                yield from _unpacked(names, flat)
 
 
 def hf_weights_on_every_rank(model_chunks: Sequence[torch.nn.Module], cfg: ModelArchitecture,
-                             dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                             dtype: torch.dtype | None = None,
+                             bucket_bytes: int = EXPORT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
     """All HF tensors of the model, yielded on every rank (see the module docstring): stage s's
-    tensors are broadcast from its rank in each pipeline group, one tensor at a time."""
+    tensors are broadcast from its rank in each pipeline group, a bucket at a time."""
     from megatron.core import parallel_state as ps
 
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group)
     if len(pp_ranks) == 1:
-        yield from export_hf_weights(model_chunks, cfg, dtype)
+        yield from export_hf_weights(model_chunks, cfg, dtype, bucket_bytes)
         return
     my_stage = ps.get_pipeline_model_parallel_rank()
     device = next(unwrap(model_chunks[0]).parameters()).device  # NCCL broadcasts device tensors
     for stage, src in enumerate(pp_ranks):
         if stage == my_stage:
-            for name, tensor in export_hf_weights(model_chunks, cfg, dtype):
-                dist.broadcast_object_list([(name, tuple(tensor.shape), tensor.dtype)], src=src, group=pp_group)
-                dist.broadcast(tensor, src=src, group=pp_group)
-                yield name, tensor
+            for names, flat in _stage_buckets(export_hf_weights(model_chunks, cfg, dtype, bucket_bytes),
+                                              bucket_bytes):
+                dist.broadcast_object_list([(names, flat.dtype, flat.numel())], src=src, group=pp_group)
+                dist.broadcast(flat, src=src, group=pp_group)
+                yield from _unpacked(names, flat)
             dist.broadcast_object_list([_END], src=src, group=pp_group)
             continue
         while True:
@@ -158,7 +228,7 @@ def hf_weights_on_every_rank(model_chunks: Sequence[torch.nn.Module], cfg: Model
             dist.broadcast_object_list(meta, src=src, group=pp_group)
             if meta[0] == _END:
                 break
-            name, shape, tensor_dtype = meta[0]
-            tensor = torch.empty(shape, dtype=tensor_dtype, device=device)
-            dist.broadcast(tensor, src=src, group=pp_group)
-            yield name, tensor
+            names, flat_dtype, numel = meta[0]
+            flat = torch.empty(numel, dtype=flat_dtype, device=device)
+            dist.broadcast(flat, src=src, group=pp_group)
+            yield from _unpacked(names, flat)

@@ -2,7 +2,7 @@
 megatron-to-hf`), or from the live policy of a run (`write_hf_export`, for checkpoint.save_hf).
 
 Both are collectives over every rank of the current process group: each rank loads / holds its
-TP x PP shard, global rank 0 receives the full tensors one at a time and writes the folder
+TP x PP shard, global rank 0 receives the full tensors (in buckets, convert/export.py) and writes the folder
 (HFWriter: safetensors shards, config.json, tokenizer files, generation_config.json), atomically.
 """
 from __future__ import annotations
