@@ -64,6 +64,9 @@ def models(tmp_path_factory):
 def test_export_moves_buckets_and_yields_the_same_tensors(models, layout):
     results = {(name, size): run_distributed(_export, 2, (folder, layout, size), timeout=300)
                for name, folder in models.items() for size in (HUGE, TINY)}
+    for (name, size), ranks in results.items():  # the figures of docs/training.md (pytest -s)
+        print(f"export {layout} {name}: {len(ranks[0][0])} tensors, "
+              f"{'one-tensor' if size == TINY else 'large'} buckets: {[calls for _, calls in ranks]}")
     for name in models:
         (big, big_calls), _ = results[(name, HUGE)]
         (small, small_calls), _ = results[(name, TINY)]
