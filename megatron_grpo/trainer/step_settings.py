@@ -26,13 +26,11 @@ class StepSettings:
     asynchronous: bool  # rollout.max_staleness > 0: batches are made ahead (config/derived.py)
     # rollout.long_tail partial rollouts at max_staleness 0: carried tokens at most this many versions old
     carried_staleness: int | None
-    loss_scale_factor: int  # actor.loss_scale_factor, or data.max_response_length
 
 
 def step_settings(cfg: Config) -> StepSettings:
     return StepSettings(rollout=rollout_settings(cfg), loss=grpo_loss_config(cfg), asynchronous=rollouts_run_ahead(cfg),
-                        carried_staleness=carried_staleness(cfg),
-                        loss_scale_factor=cfg.actor.loss_scale_factor or cfg.data.max_response_length)
+                        carried_staleness=carried_staleness(cfg))
 
 
 def rollout_settings(cfg: Config) -> RolloutSettings:

@@ -91,9 +91,7 @@ def run_multi_turn(engine, prompts, tokenizer, mt: MultiTurnSettings, sampling: 
     `sampling` (its max_new_tokens: the turn's budget; turn t of sample i of prompt group g seeded
     from seed_of(g), i and t): (trajectories, one Sample per trajectory, group ids group_prefix:g)."""
     renderer = ChatRenderer(tokenizer, mt.chat_template)
-    episodes = start_episodes([p.record for p in prompts for _ in range(n)],
-                              [build_environment(mt.environment, mt.environment_kwargs)
-                               for _ in range(len(prompts) * n)], renderer, mt.environment)
+    episodes = [e for prompt in prompts for e in new_episodes(prompt, n, mt, renderer)]
     seeds = [derive_sample_seed(seed_of(e // n), e % n) for e in range(len(episodes))]
     # one group per episode: every turn request has n=1
     ids = [f"{group_prefix}:{e // n}:{e % n}" for e in range(len(episodes))]
