@@ -27,6 +27,24 @@ LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA (megatron_grpo/lora/): only low-rank adapters on the linear layers train; the base stays frozen
+    in the model dtype (no gradients, master copy or optimizer state) and is the KL reference. verl:
+    actor_rollout_ref.model.lora_rank / lora_alpha / target_modules."""
+    rank: int = 0  # 0 = no LoRA (verl's lora_rank: 0); else the adapters' rank
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # on the adapters' input, training only (PEFT's lora_dropout)
+    # PEFT's names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or all-linear.
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start from; its r,
+    # lora_alpha and target_modules must equal the keys above. None = PEFT's init (B = 0: the base's outputs).
+    adapter_path: Optional[str] = None
+    # How engines get the policy: merged = W + alpha/rank * B A folded in as the weights are exported
+    # (every engine and transport). Adapter-only sync to SGLang (--enable-lora) is not built yet.
+    sync: Literal["merged"] = "merged"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     # HF model folder (or hub id) with config.json + safetensors; the policy starts from its weights.
     path: Optional[str] = None
@@ -52,6 +70,7 @@ class ModelConfig:
     recompute_method: Literal["uniform", "block"] = "uniform"  # only read for granularity=full
     recompute_num_layers: int = 1
     trust_remote_code: bool = False  # never run code shipped with a checkpoint unless asked
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import json
 from typing import Optional
 
 from megatron_grpo.config.coerce import field_types
+from megatron_grpo.config.lora_checks import lora_problems
 from megatron_grpo.config.derived import (longest_sequence, overlong_cap, rollouts_run_ahead, sampling_replay_enabled,
                                           values_at)
 from megatron_grpo.config.model_dims import ModelDims, hf_config_file, model_dims
@@ -102,6 +103,7 @@ def _model(c: Config, out: list[str]) -> None:
     dims = model_dims(m)
     p = c.parallel
     _moe_sizes(dims, p, out)
+    out.extend(lora_problems(c))
     if p.tensor < 1 or p.pipeline < 1:
         return  # refused by _parallel; nothing divides by them
     if dims.num_attention_heads is not None and dims.num_attention_heads % p.tensor:

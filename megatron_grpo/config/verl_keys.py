@@ -227,6 +227,16 @@ def _under(ours: str) -> Converter:
     return convert
 
 
+# verl's megatron backend names megatron's fused layers; PEFT's projection names are what model.lora takes
+_MEGATRON_LORA_TARGETS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                          "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+
+
+def _lora_targets(value: Any, given: Mapping[str, Any], key: str) -> Translation:
+    names = [value] if isinstance(value, str) else list(value or [])
+    return Translation({"model.lora.target_modules": [p for n in names for p in _MEGATRON_LORA_TARGETS.get(n, (n,))]})
+
+
 def _override_config(value: Any, given: Mapping[str, Any], key: str) -> Translation:
     """verl applies override_config (its megatron workers: the model_config entry) to the HF config,
     also of a pretrained model; here it shapes only a model built from scratch (model.config_path)."""
@@ -446,7 +456,7 @@ _ENGINE_TUNING = "inference-engine tuning: pass SGLang server flags in rollout.s
 _LOG_PROB_MB = "the old / reference log-prob passes use the actor's micro-batches (actor.max_tokens_per_micro_batch)"
 _REF_LAYOUT = "the reference model shares the actor's layout and settings (parallel.*)"
 _KERNELS = "kernel / compile choice: megatron-core's own kernels are used (the attention: model.attention_backend)"
-_NO_LORA = "LoRA is not supported: full-parameter training"
+_LORA_EXCLUDE = "not supported: name the adapted layers in model.lora.target_modules"
 _NO_MM = "multimodal inputs are not supported (text prompts only)"
 _NO_MULTITURN = ("verl's agent loop and tool configs do not carry over: multi-turn / tool-calling rollouts here "
                  "run an environment class, rollout.multi_turn.environment (docs/multi-turn.md)")
@@ -517,9 +527,23 @@ TABLE: tuple[VerlKey, ...] = (
     none(f"{MODEL}.use_shm", "no shared-memory model copies"),
     none(f"{MODEL}.use_liger", _KERNELS), none(f"{MODEL}.use_fused_kernels", _KERNELS),
     none(f"{MODEL}.fused_kernel_options.*", _KERNELS), none(f"{MODEL}.tiled_mlp.*", _KERNELS),
-    none(f"{MODEL}.lora.*", _NO_LORA), none(f"{MODEL}.lora_rank", _NO_LORA), none(f"{MODEL}.lora_alpha", _NO_LORA),
-    none(f"{MODEL}.lora_adapter_path", _NO_LORA), none(f"{MODEL}.target_modules", _NO_LORA),
-    none(f"{MODEL}.exclude_modules", _NO_LORA),
+    same(f"{MODEL}.lora_rank", "model.lora.rank", "0 = no LoRA, as in verl"),
+    same(f"{MODEL}.lora_alpha", "model.lora.alpha"),
+    conv(f"{MODEL}.target_modules", ("model.lora.target_modules",), "PEFT names or all-linear", _lora_targets),
+    same(f"{MODEL}.lora_adapter_path", "model.lora.adapter_path", "a PEFT adapter folder"),
+    none(f"{MODEL}.exclude_modules", _LORA_EXCLUDE),
+    # verl's megatron backend (Megatron-Bridge's LoRA): its target names are megatron's linear layers
+    same(f"{MODEL}.lora.rank", "model.lora.rank", "0 = no LoRA, as in verl"),
+    same(f"{MODEL}.lora.alpha", "model.lora.alpha"),
+    same(f"{MODEL}.lora.dropout", "model.lora.dropout"),
+    conv(f"{MODEL}.lora.target_modules", ("model.lora.target_modules",),
+         "linear_qkv -> q_proj, k_proj, v_proj; linear_proj -> o_proj; linear_fc1 -> gate_proj, up_proj; "
+         "linear_fc2 -> down_proj", _lora_targets),
+    same(f"{MODEL}.lora.adapter_path", "model.lora.adapter_path", "a PEFT adapter folder"),
+    none(f"{MODEL}.lora.merge", "engines always get the merged weights here (model.lora.sync=merged)"),
+    none(f"{MODEL}.lora.exclude_modules", _LORA_EXCLUDE),
+    none(f"{MODEL}.lora.*", "not supported: LoRA here is PEFT's plain LoRA (kaiming-uniform A, zero B, dropout on "
+                            "the input)"),
     none(f"{MODEL}.mtp.*", _MTP),
     # -- actor -------------------------------------------------------------------------------
     same(f"{ACTOR}.ppo_mini_batch_size", "actor.ppo_mini_batch_size", "prompts per optimizer step, as in verl"),

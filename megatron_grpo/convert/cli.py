@@ -83,6 +83,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-shard-size", type=byte_size, default="5GB",
                         help="safetensors shard size, e.g. 5GB, 500MB")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+    parser.add_argument("--merged", action="store_true",
+                        help="a LoRA run: the HF model with the adapters merged in (default: a PEFT adapter folder)")
 
 
 def _add_expert_arguments(parser: argparse.ArgumentParser) -> None:
@@ -263,13 +265,15 @@ def megatron_to_hf(args) -> Path:
     if args.hf_reference is not None and source.step is None:
         check_hf_config_matches(source.model_config, args.hf_reference)
     check_layout_fits(source.model_config, args.tp, args.pp, source.label)
+    if args.merged and source.lora is None:
+        raise ConfigError(f"--merged: {source.label} is not a LoRA run (its config has no model.lora.rank)")
     check_expert_layout(source.model_config, args, source.label)
     with _Distributed() as dist:
         layout = _layout_for(dist, args.tp, args.pp, args.ep, args.etp)
         initialize_model_parallel(layout)
         export_checkpoint_to_hf(source, args.out, layout=layout, max_shard_bytes=max_shard_bytes,
                                 overwrite=args.force, assets_dir=args.hf_reference,
-                                progress=dist.get_rank() == 0)
+                                progress=dist.get_rank() == 0, merged=args.merged)
         if dist.get_rank() == 0:
             what = f"step {source.step} of {source.label}" if source.step is not None else source.label
             print(f"wrote {args.out} (from {what})")

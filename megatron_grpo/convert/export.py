@@ -82,7 +82,7 @@ def _bucket(items, cfg: ModelArchitecture, dtype, tp_size: int, tp_group):
     split = [item for item in items if _split(item, tp_size)]
     shards: dict[int, list[torch.Tensor]] = {}
     if split:
-        flat = torch.cat([item.param.detach().reshape(-1) for item in split])
+        flat = torch.cat([_local(item).reshape(-1) for item in split])
         parts = [torch.empty_like(flat) for _ in range(tp_size)]
         dist.all_gather(parts, flat, group=tp_group)
         offset = 0
@@ -91,10 +91,16 @@ def _bucket(items, cfg: ModelArchitecture, dtype, tp_size: int, tp_group):
             shards[id(item)] = [part[offset:offset + count].view(shape) for part in parts]
             offset += count
     for item in items:
-        for name, tensor in zip(item.hf_names, item.rule.transform.to_hf(shards.get(id(item), [item.param.detach()]),
+        for name, tensor in zip(item.hf_names, item.rule.transform.to_hf(shards.get(id(item), [_local(item)]),
                                                                          cfg)):
             tensor = tensor if dtype is None else tensor.to(dtype)
             yield name, tensor.contiguous()
+
+
+def _local(item) -> torch.Tensor:
+    """This rank's tensor of `item` as engines and HF files get it: a LoRA run's adapter merged in."""
+    adapter = getattr(item.param, "lora_adapter", None)
+    return item.param.detach() if adapter is None else adapter.merged(item.param.detach())
 
 
 def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:

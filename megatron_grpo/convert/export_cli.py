@@ -18,8 +18,13 @@ EPILOG = """examples:
   megatron-grpo export outputs/run1/checkpoints/step_100 --out /export/step100 --max-shard-size 2GB
   torchrun --nproc-per-node 8 -m megatron_grpo.cli export /ckpt/run1 --out /export/run1 --tp 4 --pp 2
 
+  megatron-grpo export outputs/tiny_cpu_lora --out exported/adapter   # a LoRA run: a PEFT adapter folder
+  megatron-grpo export outputs/tiny_cpu_lora --merged --out exported/merged
+
 writes: model.safetensors (or model-0000k-of-0000n.safetensors + index), config.json, the
-tokenizer files and generation_config.json of the model the run started from.
+tokenizer files and generation_config.json of the model the run started from; for a LoRA run
+adapter_config.json + adapter_model.safetensors (peft's PeftModel.from_pretrained(base, DIR)),
+or with --merged the HF model with the adapters folded in.
 """
 
 

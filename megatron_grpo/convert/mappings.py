@@ -23,6 +23,7 @@ import torch
 from megatron_grpo.convert.transforms import (ExpertTensorParallel, FusedGateUp, FusedQKV, Replicated, Split,
                                               Transform, VocabRows)
 from megatron_grpo.errors import CheckpointError
+from megatron_grpo.lora.attach import is_adapter_parameter
 from megatron_grpo.models.hf_config import ModelArchitecture
 
 # Where a tensor lives: "first" = pre_process stage, "last" = post_process stage,
@@ -267,7 +268,7 @@ def _expert_tensor_parallel(linear) -> tuple[Any, int, int]:
 def bind(model, cfg: ModelArchitecture) -> list[BoundTensor]:
     """Pairs every parameter of one (unwrapped) GPTModel chunk with its rule, in HF order.
     Raises CheckpointError if a parameter has no rule or a rule finds no parameter."""
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if not is_adapter_parameter(n)}  # LoRA: not HF weights
     # the routers' expert bias is a buffer (models/builder.py: install_frozen_expert_bias)
     params.update((n, b) for n, b in model.named_buffers() if n.endswith("mlp.router.expert_bias"))
     bound: list[BoundTensor] = []

@@ -27,6 +27,7 @@ from megatron_grpo.checkpointing.layout import (COMPLETE_MARKER, CONFIG_FILE, IN
                                                 STEP_DIR, validate_checkpoint)
 from megatron_grpo.convert.torch_dist_files import ASSETS_DIR, WEIGHTS_DIR, require_torch_dist, stored_tensor_shapes
 from megatron_grpo.errors import CheckpointError
+from megatron_grpo.lora.attach import LoraSettings
 from megatron_grpo.models.hf_config import MODEL_CONFIG_FILE, ModelArchitecture
 
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
@@ -43,6 +44,7 @@ class MegatronSource:
     assets_dir: Path | None      # tokenizer files / generation_config.json to copy
     label: str                   # for messages: the step_N or convert checkpoint folder
     step: int | None = None      # training step, None for a convert checkpoint
+    lora: LoraSettings | None = None  # a LoRA run's adapters (model.lora of its recorded config)
 
 
 def is_convert_checkpoint(path: str | Path) -> bool:
@@ -130,7 +132,8 @@ def _step_source(step_dir: Path, step: int | None, hf_reference: str | Path | No
         hf_config, assets = load_hf_config_dict(model_dir)[0], model_dir
     cfg = ModelArchitecture.from_dict({"hf_config": hf_config, "padded_vocab_size": padded[0]},
                                 where=f"{model_dir} (model of {step_dir / COMPLETE_MARKER})")
-    return MegatronSource(weights, cfg, assets if assets.is_dir() else None, str(step_dir), number)
+    return MegatronSource(weights, cfg, assets if assets.is_dir() else None, str(step_dir), number,
+                          lora=recorded["model.lora"])
 
 
 def _read_recorded_config(path: Path) -> dict:
@@ -144,7 +147,20 @@ def _read_recorded_config(path: Path) -> dict:
         raise CheckpointError(f"{path}: not a YAML mapping")
     section = lambda name: data.get(name) if isinstance(data.get(name), dict) else {}  # noqa: E731
     return {"model.path": section("model").get("path"), "output_dir": section("logging").get("output_dir"),
-            "save_dir": section("checkpoint").get("save_dir")}
+            "save_dir": section("checkpoint").get("save_dir"), "model.lora": _recorded_lora(section("model"), path)}
+
+
+def _recorded_lora(model: dict, path: Path) -> LoraSettings | None:
+    lora = model.get("lora") if isinstance(model.get("lora"), dict) else {}
+    if not lora.get("rank"):
+        return None
+    from megatron_grpo.lora.targets import expand_targets
+
+    try:
+        return LoraSettings(rank=int(lora["rank"]), alpha=float(lora["alpha"]), dropout=float(lora.get("dropout", 0)),
+                            target_modules=expand_targets(lora["target_modules"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: model.lora is incomplete ({type(exc).__name__}: {exc})") from None
 
 
 def _run_model_folder(step_dir: Path, recorded: dict) -> Path:

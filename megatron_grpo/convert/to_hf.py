@@ -7,6 +7,7 @@ TP x PP shard, global rank 0 receives the full tensors (in buckets, convert/expo
 """
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -41,19 +42,47 @@ def check_layout_fits(cfg: ModelArchitecture, tp: int, pp: int, where: str,
 
 def export_checkpoint_to_hf(source: MegatronSource, out: Path, *, layout,
                             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,
-                            assets_dir: Path | None = None, progress: bool = False) -> Path:
+                            assets_dir: Path | None = None, progress: bool = False, merged: bool = False) -> Path:
     """Builds the model at `layout` (already initialised in megatron's parallel_state), loads the
-    model tensors of `source` (not the optimizer), and writes the HF folder `out` on rank 0."""
+    model tensors of `source` (not the optimizer), and writes the HF folder `out` on rank 0. A LoRA
+    run's checkpoint: a PEFT adapter folder, or with `merged` the HF model with the adapters folded in."""
     from megatron_grpo.convert.export import gather_hf_weights_on_rank0
     from megatron_grpo.convert.megatron_checkpoint import load_model_weights
     from megatron_grpo.models import build_model
 
     cfg = source.model_config
     chunks = build_model(cfg, layout, dtype=stored_model_dtype(source.weights_dir))
+    if source.lora is not None:
+        from megatron_grpo.lora.attach import attach_adapters
+
+        attach_adapters(chunks, cfg, source.lora)
     load_model_weights(chunks, source.weights_dir)
+    if source.lora is not None and not merged:
+        return _write_peft_folder(chunks, source, out, overwrite)
     assets = assets_dir if assets_dir is not None else source.assets_dir
     return write_hf_folder(gather_hf_weights_on_rank0(chunks, cfg), out, cfg, assets_dir=assets,
                            max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress)
+
+
+def _write_peft_folder(chunks, source: MegatronSource, out: Path, overwrite: bool) -> Path:
+    """The adapters as a PEFT folder, written beside `out` and renamed into place (nothing half-written)."""
+    from megatron_grpo.lora.peft_folder import PeftAdapterConfig, gather_adapter_state, write_adapter_folder
+
+    state = gather_adapter_state(chunks)
+    if dist.get_rank() == 0:
+        staging = out.with_name(out.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        lora = source.lora
+        write_adapter_folder(staging, state, PeftAdapterConfig(lora.rank, lora.alpha, lora.dropout,
+                                                               lora.target_modules),
+                             base_model=str(source.assets_dir or ""))
+        if overwrite and out.exists():
+            shutil.rmtree(out)
+        elif out.is_dir():
+            out.rmdir()  # empty: _check_output refused a non-empty one without --force
+        staging.rename(out)
+    dist.barrier()
+    return out
 
 
 def write_hf_export(model_chunks, cfg: ModelArchitecture, model_dir: str | Path, step_dir: str | Path) -> Path:

@@ -25,6 +25,7 @@ from megatron_grpo.config.schema import Config
 from megatron_grpo.errors import RolloutFailure
 from megatron_grpo.launch.collectives import agree, attempt_on_rank0, broadcast_from_rank0, on_rank0, rank0_only
 from megatron_grpo.launch.watchdog import HangWatchdog, is_collective_timeout
+from megatron_grpo.lora.adapters import adapters_off
 from megatron_grpo.trainer.step.flops import peak_flops_per_device, training_flops
 from megatron_grpo.trainer.state.checkpoint import Checkpointer
 from megatron_grpo.trainer.preflight import check_before_training
@@ -149,7 +150,7 @@ def grpo_step(run: Run, step: int, pipeline: RolloutPipeline | None = None,
             _fill_logprobs(run, run.policy, batch.samples, "old_logprobs",
                            skip_mini_batches=0 if every_mini_batch else 1)
         if run.reference is not None:
-            with _on_device(run.reference, run.device, offloaded=cfg.ref.param_offload):
+            with _on_device(run.reference, run.device, offloaded=cfg.ref.param_offload), adapters_off(run.reference):
                 _fill_logprobs(run, run.reference, batch.samples, "ref_logprobs")
     if run.kl_controller is not None:  # algorithm.use_kl_in_reward: advantages from the penalised scores
         metrics.update(apply_kl_in_reward(batch, run.kl_controller, cfg.algorithm.kl_penalty, run.settings.rollout))

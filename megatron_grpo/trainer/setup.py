@@ -74,7 +74,8 @@ class Run:
     policy: list[torch.nn.Module]             # DDP-wrapped model chunks
     optimizer: NonFiniteUpdateGuard           # over megatron's (distributed) optimizer
     scheduler: OptimizerParamScheduler
-    reference: list[torch.nn.Module] | None   # frozen chunks, or None when no KL term needs them
+    # frozen chunks, or None when no KL term needs them; a LoRA run's policy (run with its adapters off)
+    reference: list[torch.nn.Module] | None
     tokenizer: PreTrainedTokenizerBase
     total_steps: int
     record: dict                              # what defines the run (run_folder.run_record)
@@ -255,6 +256,10 @@ def _build_in_folder(cfg: Config, layout, device: torch.device, dtype: torch.dty
     load_hf_weights(chunks, model_config, model_dir)
     for chunk in chunks:
         chunk.to(device)
+    if cfg.model.lora.rank:
+        from megatron_grpo.trainer.assembly.lora import add_policy_adapters
+
+        add_policy_adapters(chunks, cfg, model_config)
     policy = wrap_with_ddp(chunks, cfg.parallel.use_distributed_optimizer)
     optim = cfg.actor.optim
     optimizer, scheduler = build_optimizer(policy, OptimizerSettings(
@@ -264,7 +269,9 @@ def _build_in_folder(cfg: Config, layout, device: torch.device, dtype: torch.dty
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer, bf16=dtype == torch.bfloat16))
 
     reference = None
-    if kl_reference_needed(cfg):
+    if kl_reference_needed(cfg) and cfg.model.lora.rank:
+        reference = policy  # its base: the loop runs the reference pass with the adapters off
+    elif kl_reference_needed(cfg):
         reference = build_reference_model(model_config, layout, dtype=dtype, fp32_lm_head=cfg.model.fp32_lm_head,
                                           backend=cfg.model.attention_backend)
         load_hf_weights(reference, model_config, cfg.ref.model_path or model_dir)
