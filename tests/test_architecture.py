@@ -27,10 +27,11 @@ ALLOWED = {
     "environments": {"errors", "data", "launch", "rewards"},
     "testing": {"errors", "launch"},
     "checkpointing": {"errors", "models"},
-    "convert": {"errors", "cli_args", "checkpointing", "launch", "models", "optional"},
+    "lora": {"errors", "launch", "models"},
+    "convert": {"errors", "cli_args", "checkpointing", "launch", "lora", "models", "optional"},
     "rollout": {"errors", "convert", "launch", "optional"},
     "reward_models": {"errors", "config", "data", "rewards", "rollout"},
-    "trainer": {"errors", "optional", "config", "algo", "data", "launch", "ops", "models", "rewards",
+    "trainer": {"errors", "optional", "config", "algo", "data", "launch", "lora", "ops", "models", "rewards",
                 "environments", "checkpointing", "convert", "rollout", "reward_models"},
     "doctor": {"errors", "cli_args", "config"},
     "plan": {"errors", "cli_args", "config", "algo", "launch", "ops", "models", "convert", "rollout", "trainer"},
@@ -90,6 +91,10 @@ HF_NAME = re.compile(r"\b(model\.layers\.|embed_tokens|lm_head|(q|k|v|o|gate|up|
 # Known places outside convert/ whose strings name HF tensors, with why (docs/architecture.md).
 HF_NAME_EXCEPTIONS = {
     "models/hf_config.py": "an error message: 'biases on q/k/v/o_proj' describes the refused config field",
+    "lora/targets.py": "PEFT's target modules and tensor names: PEFT names the HF projections each Megatron "
+                       "linear layer fuses (the LoRA twin of convert/mappings.py)",
+    "config/names.py": "model.lora.target_modules' vocabulary: PEFT's projection names, as recipes spell them",
+    "config/verl_keys.py": "verl's megatron LoRA targets (linear_qkv, ...) translated to PEFT's projection names",
     "rollout/sglang/verify.py": "samples pushed tensors by HF suffix (o_proj / down_proj are split along "
                                 "columns in SGLang): to come from convert/mappings.py",
 }

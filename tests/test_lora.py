@@ -4,6 +4,7 @@ export; PEFT folders in and out; training only the adapters."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,125 @@ def test_a_lora_run_trains_the_adapters_against_its_base_resumes_bitwise_and_exp
     # logits also show the base did not move in training
     assert_close_to_float64(merged.float(), with_adapter, dtype=torch.float32, terms=64, name="merged vs PEFT")
     assert (with_adapter - base).abs().max() > 1e-3  # three updates moved the adapters off B = 0
+
+
+@pytest.mark.slow
+def test_a_lora_run_saved_at_tp2_with_sequence_parallelism_resumes_at_tp1(tmp_path):
+    """tiny_cpu with rank-8 adapters, 2 ranks at TP2 + SP (distributed optimizer), saving at step 2; resumed
+    by one process: the adapters and their optimizer state load bitwise in the new layout (resaved, key by
+    key), the engine gets the same merged weights, and step 3 equals the TP2 run's within the layout's
+    rounding (tests/test_resume_layouts.py's tolerances)."""
+    from tests.test_resume_layouts import FAST, _assert_same_state, _compare_step
+    from tests.train_harness import train_capturing
+
+    lora = [*FAST, "model.lora.rank=8", "model.lora.alpha=16", "trainer.total_steps=3"]
+    origin = tmp_path / "origin"
+    at_tp2 = run_distributed(train_capturing, 2, ([*lora, "parallel.tensor=2", "parallel.sequence_parallel=true",
+                                                   "checkpoint.save_interval=2", f"logging.output_dir={origin}"],),
+                             timeout=300)[0]
+    step_2 = origin / "checkpoints" / "step_2"
+    at_tp1 = run_distributed(train_capturing, 1, ([*lora, f"checkpoint.resume={step_2}",
+                                                   f"logging.output_dir={tmp_path / 'tp1'}"],
+                                                  None, tmp_path / "resaved"), timeout=300)[0]
+    _assert_same_state(step_2 / "model_optim", tmp_path / "resaved")
+    for name, value in at_tp2["steps"][2].items():
+        assert torch.equal(at_tp1["at_resume"][name], value), name
+    _compare_step(at_tp1, at_tp2, 3, "LoRA TP2+SP -> TP1")
+
+
+# ----- configuration: the recipe's words, refusals, verl's keys ------------------------------------------
+def test_the_recipe_vocabulary_is_the_target_table():
+    from megatron_grpo.config.names import LORA_ALL_LINEAR, LORA_TARGET_MODULES
+    from megatron_grpo.lora.targets import ALL_LINEAR, TARGET_MODULES
+
+    assert (LORA_TARGET_MODULES, LORA_ALL_LINEAR) == (TARGET_MODULES, ALL_LINEAR)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.lora.rank=-1"], r"model.lora.rank=-1: expected 0 \(no LoRA\) or a positive integer"),
+    (["model.lora.alpha=0"], "model.lora.alpha=0.0: expected a positive number"),
+    (["model.lora.dropout=1.0"], r"model.lora.dropout=1.0: expected a probability in \[0, 1\)"),
+    (["model.lora.target_modules=[q_proj,lm_head]"], r"\['lm_head'\] are not linear layers of the model"),
+    (["model.lora.target_modules=[]"], "model.lora.target_modules is empty"),
+    (["ref.model_path=/some/model"], "ref.model_path with model.lora"),
+    (["ref.param_offload=true"], "ref.param_offload with model.lora"),
+])
+def test_bad_lora_settings_are_refused_in_one_line(overrides, message):
+    from megatron_grpo.config import load_config, validate
+    from megatron_grpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config("tiny_cpu_lora", overrides))
+
+
+def test_lora_on_a_moe_model_is_refused():
+    from megatron_grpo.config import load_config, validate
+    from megatron_grpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.lora with model_type qwen3_moe: adapters on MoE experts"):
+        validate(load_config("tiny_cpu_moe", ["model.lora.rank=8"]))
+
+
+def test_an_adapter_folder_that_does_not_fit_is_refused(peft_reference, tmp_path):
+    """model.lora.adapter_path: its rank / targets against the recipe's (before any model is built), its
+    tensors' shapes against the base (when they are loaded), and PEFT settings we cannot reproduce."""
+    from megatron_grpo.config import load_config
+    from megatron_grpo.errors import ConfigError
+    from megatron_grpo.lora.peft_folder import read_adapter_config
+    from megatron_grpo.trainer.assembly.lora import check_adapter_folder
+
+    adapter = peft_reference["adapter_dir"]
+    targets = "[q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"  # the fixture leaves k_proj out
+    check_adapter_folder(load_config("tiny_cpu_lora", [f"model.lora.adapter_path={adapter}", "model.lora.rank=4",
+                                                       "model.lora.alpha=8", f"model.lora.target_modules={targets}"]))
+    with pytest.raises(ConfigError, match=r"adapter_config.json\): r=4 but the recipe's model.lora says 16"):
+        check_adapter_folder(load_config("tiny_cpu_lora", [f"model.lora.adapter_path={adapter}"]))
+    with pytest.raises(ConfigError, match="target_modules="):
+        check_adapter_folder(load_config("tiny_cpu_lora", [f"model.lora.adapter_path={adapter}", "model.lora.rank=4",
+                                                           "model.lora.alpha=8"]))
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    config = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps(dict(config, use_dora=True)))
+    with pytest.raises(ConfigError, match="use_dora=True is not supported"):
+        read_adapter_config(dora)
+    results = run_distributed(_load_into_another_shape, 1, (peft_reference["base_dir"], adapter), timeout=120)
+    assert re.search(r"self_attn.q_proj.lora_A.weight has shape \[4, (\d+)\]; the base model and rank 8 expect "
+                     r"\[8, \1\]", results[0]), results[0]
+
+
+def _load_into_another_shape(rank, world_size, base_dir, adapter_dir):
+    """The folder's rank-4 tensors loaded into rank-8 adapters: one CheckpointError naming tensor and shapes."""
+    from megatron_grpo.convert import load_hf_weights
+    from megatron_grpo.errors import CheckpointError
+    from megatron_grpo.launch.parallel import ParallelLayout, initialize_model_parallel
+    from megatron_grpo.lora.attach import LoraSettings, attach_adapters
+    from megatron_grpo.lora.peft_folder import load_adapter_folder
+    from megatron_grpo.models import build_model
+    from megatron_grpo.models.hf_config import ModelArchitecture
+
+    initialize_model_parallel(ParallelLayout())
+    cfg = ModelArchitecture.from_hf(base_dir, vocab_multiple=8)
+    chunks = build_model(cfg, ParallelLayout())
+    load_hf_weights(chunks, cfg, base_dir)
+    attach_adapters(chunks, cfg, LoraSettings(8, 16.0, 0.0, ("q_proj",)))
+    try:
+        load_adapter_folder(chunks, adapter_dir)
+    except CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_verls_lora_keys_translate():
+    from megatron_grpo.config.from_verl import parse_command_line, translate
+
+    model = "actor_rollout_ref.model"
+    peft_style = translate(parse_command_line([f"{model}.lora_rank=32", f"{model}.lora_alpha=64",
+                                               f"{model}.target_modules=all-linear"])).values
+    peft_style.pop("reward.function")  # verl's default reward manager, translated with any command line
+    assert peft_style == {"model.lora.rank": 32, "model.lora.alpha": 64, "model.lora.target_modules": ["all-linear"]}
+    megatron_style = translate(parse_command_line([f"{model}.lora.rank=8",
+                                                   f"{model}.lora.target_modules=[linear_qkv,linear_fc2]"])).values
+    megatron_style.pop("reward.function")
+    assert megatron_style == {"model.lora.rank": 8,
+                              "model.lora.target_modules": ["q_proj", "k_proj", "v_proj", "down_proj"]}

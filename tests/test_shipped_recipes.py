@@ -74,6 +74,8 @@ LOCAL_RECIPES = {
     "tiny_cpu_glm4_moe": "tests/test_glm4_moe_recipe.py::test_tiny_glm4_moe_recipe_learns",
     "tiny_cpu_tool": "tests/test_multi_turn.py::test_trainer_logprobs_equal_the_engines_over_multi_turn_trajectories",
     "tiny_cpu_rm": "tests/test_reward_models.py::test_tiny_rm_recipe_learns_the_preferred_property",
+    # 3 steps + resume + export here; its learning curve is measured in docs/lora.md (not a CI run)
+    "tiny_cpu_lora": "tests/test_lora.py::test_a_lora_run_trains_the_adapters_against_its_base_resumes_bitwise_and_exports_peft",
 }
 DEFAULTS_ONLY = {"base"}  # merged into others, never run alone
 # Cluster recipes whose CpuShrink run is another test's: the 8B recipe's is the sbatch test, which

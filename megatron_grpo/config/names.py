@@ -71,3 +71,9 @@ def unknown_name(key: str, value: str, kind: str, known: list[str]) -> str:
     match = difflib.get_close_matches(value, known, n=1, cutoff=0.6)
     hint = f"; did you mean {match[0]!r}?" if match else ""
     return f"{key}={value!r} is not a known {kind}{hint} (known: {', '.join(known)})"
+
+
+# model.lora.target_modules: PEFT's names of the projections LoRA adapts (megatron_grpo/lora/targets.py pairs
+# each with its Megatron layer; tests/test_lora.py checks the two lists are the same), or PEFT's all-linear.
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_ALL_LINEAR = "all-linear"

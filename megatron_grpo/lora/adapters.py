@@ -61,6 +61,11 @@ class LoraAdapter(torch.nn.Module):
         self.lora_B = torch.nn.ParameterDict({
             name: torch.nn.Parameter(torch.zeros(outs[name], rank, dtype=dtype, device=device))
             for name in shape.trained})
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        # megatron's gradient norm (and clipping) counts a TP-split tensor on every rank, others on TP rank 0
+        for _, param in self.split_tensors():
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=self.tp_split_axis(), stride=1)
 
     def tp_split_axis(self) -> int:
         """The axis of A (row-parallel) or B (column-parallel) split over TP: 1 for A, 0 for B."""

@@ -13,7 +13,8 @@ from typing import Sequence
 import torch
 
 from megatron_grpo.lora.adapters import AdapterShape, LoraAdapter, adapters_of
-from megatron_grpo.lora.targets import TARGETS, LinearTarget, expand_targets, input_width, row_groups, rows_per_projection
+from megatron_grpo.lora.targets import (TARGETS, LinearTarget, expand_targets, input_width, peft_prefix,
+                                       row_groups, rows_per_projection)
 from megatron_grpo.models.hf_config import ModelArchitecture
 
 ADAPTER_SUFFIX = "_lora"  # the adapter of `linear_qkv` is the module `linear_qkv_lora` beside it
@@ -65,8 +66,8 @@ def _attach(layer, target: LinearTarget, trained: tuple[str, ...], cfg: ModelArc
                          in_features=input_width(target, cfg) // (1 if column else tp),
                          out_features=tuple(r // tp for r in rows) if column else rows,
                          groups=row_groups(target, cfg, tp))
-    peft_prefix = f"base_model.model.model.layers.{layer.layer_number - 1}.{target.hf_module}."
-    adapter = LoraAdapter(shape, settings.rank, settings.alpha, settings.dropout, peft_prefix=peft_prefix,
+    adapter = LoraAdapter(shape, settings.rank, settings.alpha, settings.dropout,
+                          peft_prefix=peft_prefix(target, layer.layer_number - 1),
                           tp_group=tp_group,
                           sequence_parallel=bool(getattr(base, "sequence_parallel", False)),
                           dtype=base.weight.dtype, device=base.weight.device)

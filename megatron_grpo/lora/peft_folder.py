@@ -38,9 +38,10 @@ def read_adapter_config(folder: str | Path) -> PeftAdapterConfig:
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{path}: not found; a PEFT adapter folder holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+        raise ConfigError(f"{path}: not found; a PEFT adapter folder holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}") \
+            from None
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: line {exc.lineno}: not JSON ({exc.msg})")
+        raise ConfigError(f"{path}: line {exc.lineno}: not JSON ({exc.msg})") from None
     if raw.get("peft_type", "LORA") != "LORA":
         raise ConfigError(f"{path}: peft_type {raw['peft_type']!r}; only LORA adapters are supported")
     for key, default in _UNSUPPORTED.items():
@@ -52,8 +53,8 @@ def read_adapter_config(folder: str | Path) -> PeftAdapterConfig:
     if unknown:
         raise ConfigError(f"{path}: target_modules {unknown} are not linear layers this trainer adapts "
                           f"(expected names among {list(expand_targets('all-linear'))} or 'all-linear')")
-    return PeftAdapterConfig(rank=int(raw["r"]), alpha=float(raw["lora_alpha"]), dropout=float(raw.get("lora_dropout", 0.0)),
-                             target_modules=expand_targets(targets))
+    return PeftAdapterConfig(rank=int(raw["r"]), alpha=float(raw["lora_alpha"]),
+                             dropout=float(raw.get("lora_dropout", 0.0)), target_modules=expand_targets(targets))
 
 
 def _tp(adapter: LoraAdapter) -> tuple[int, int]:

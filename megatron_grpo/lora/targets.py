@@ -1,7 +1,8 @@
 """Which Megatron linear layer carries the adapter of each PEFT target module, and its fused layout.
 
 PEFT names the HF projections (q_proj, ..., down_proj); Megatron fuses some of them (linear_qkv,
-linear_fc1). This table is the only place that pairs the two; the layouts are convert/transforms.py's.
+linear_fc1). This table is the only place that pairs the two (and spells PEFT's tensor names); the
+layouts are convert/transforms.py's.
 Dense decoder layers of the llama / qwen2 / qwen3 families (the attention and the dense MLP); MoE
 experts and multi-head latent attention have no adapters yet (config/validate.py refuses them).
 """
@@ -43,6 +44,11 @@ def unknown_targets(target_modules) -> list[str]:
     if target_modules == ALL_LINEAR or list(target_modules) == [ALL_LINEAR]:
         return []
     return [name for name in target_modules if name not in TARGET_MODULES]
+
+
+def peft_prefix(target: LinearTarget, layer: int) -> str:
+    """The start of PEFT's names of the adapter tensors of `target` in HF layer `layer` (0-based)."""
+    return f"base_model.model.model.layers.{layer}.{target.hf_module}."
 
 
 def rows_per_projection(target: LinearTarget, cfg: ModelArchitecture) -> tuple[int, ...]:

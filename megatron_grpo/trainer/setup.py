@@ -237,6 +237,10 @@ def _build_in_folder(cfg: Config, layout, device: torch.device, dtype: torch.dty
     prompts = rank0_only(load_prompts, cfg, tokenizer)  # data errors stop every rank before any model is built
     if cfg.rollout.multi_turn.environment:
         on_rank0(check_multi_turn_environment, cfg)
+    if cfg.model.lora.rank and cfg.model.lora.adapter_path:
+        from megatron_grpo.trainer.assembly.lora import check_adapter_folder
+
+        on_rank0(check_adapter_folder, cfg)
     record = run_record(cfg, model_config)
     resume_plan = on_rank0(check_resume, cfg, candidates, record, prompts)
     num_prompts = int(broadcast_from_rank0(len(prompts[0]) if prompts is not None else None))
