@@ -34,7 +34,8 @@ ALLOWED = {
     "trainer": {"errors", "optional", "config", "algo", "data", "launch", "lora", "ops", "models", "rewards",
                 "environments", "checkpointing", "convert", "rollout", "reward_models"},
     "doctor": {"errors", "cli_args", "config"},
-    "plan": {"errors", "cli_args", "config", "algo", "launch", "ops", "models", "convert", "rollout", "trainer"},
+    "plan": {"errors", "cli_args", "config", "algo", "launch", "lora", "ops", "models", "convert", "rollout",
+             "trainer"},
     "cli": {"errors", "cli_args", "config"},
     "train": {"cli"},
 }

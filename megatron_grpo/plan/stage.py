@@ -99,6 +99,9 @@ def _recompute(cfg: Config):
 def run_stage_phases(job: StageJob, stage: int, rank: int, fake: bool) -> StageMemory:
     """The phases under megatron's current parallel state, on fake tensors (inside fake_rank) or
     on real ones (the validation: a real gloo job at shapes a CPU holds, same tracker)."""
+    from megatron_grpo.lora.adapters import adapters_off
+    from megatron_grpo.lora.attach import LoraSettings, attach_adapters
+    from megatron_grpo.lora.targets import expand_targets
     from megatron_grpo.models.builder import build_model, build_reference_model
     from megatron_grpo.trainer.assembly.optimizer import OptimizerSettings, build_optimizer, wrap_with_ddp
     from megatron_grpo.trainer.setup import kl_reference_needed
@@ -110,6 +113,10 @@ def run_stage_phases(job: StageJob, stage: int, rank: int, fake: bool) -> StageM
         with tracker.phase("build policy", "parameters"):
             chunks = build_model(arch, job.layout, dtype=job.dtype, recompute=_recompute(cfg),
                                  fp32_lm_head=cfg.model.fp32_lm_head, backend="memory-model")
+            lora = cfg.model.lora
+            if lora.rank:  # the adapters train, the base is frozen: DDP and the optimizer see the adapters only
+                attach_adapters(chunks, arch, LoraSettings(lora.rank, lora.alpha, lora.dropout,
+                                                           expand_targets(lora.target_modules)))
         parameters = sum(p.numel() for chunk in chunks for p in chunk.parameters())
         with tracker.phase("build DDP grad buffers", "gradient buffers"):
             policy = wrap_with_ddp(chunks, cfg.parallel.use_distributed_optimizer)
@@ -124,7 +131,9 @@ def run_stage_phases(job: StageJob, stage: int, rank: int, fake: bool) -> StageM
             optimizer.step()  # Adam's state is created at the first step
         reference = None
         with_reference = kl_reference_needed(cfg)
-        if with_reference and not cfg.ref.param_offload:
+        if with_reference and lora.rank:
+            reference = policy  # its base, the adapters off (trainer/loop.py): no second copy
+        elif with_reference and not cfg.ref.param_offload:
             with tracker.phase("build reference", "reference"):
                 reference = build_reference_model(arch, job.layout, dtype=job.dtype, backend="memory-model",
                                                   fp32_lm_head=cfg.model.fp32_lm_head)
@@ -147,7 +156,7 @@ def run_stage_phases(job: StageJob, stage: int, rank: int, fake: bool) -> StageM
                                       arch, device)
                     del offloaded
                 else:
-                    with logits_apart(tracker, reference):
+                    with logits_apart(tracker, reference), adapters_off(reference):
                         _forward_only(reference, _micro_batches(cfg, arch, samples, "ref_logprobs", len(passes)), cfg,
                                       arch, device)
         train = _micro_batches(cfg, arch, samples, purpose="train", count=count)
