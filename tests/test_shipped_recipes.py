@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_grpo.config import load_config
+from megatron_grpo.config.names import LORA_TARGET_MODULES
 from megatron_grpo.testing.distributed import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,6 +62,10 @@ CLUSTER_RECIPES: dict[str, CpuShrink] = {
     "llama3_70b_gsm8k": CpuShrink(
         "llama", 4, {"tensor": 2, "pipeline": 2}, engines=2, engine_tp=2,
         why="TP8 x PP2 x DP2 on 32 GPUs, 8 dedicated engines of tp 4 -> TP2 x PP2, 2 engines of tp 2"),
+    "llama3_70b_lora_gsm8k": CpuShrink(
+        "llama", 2, {"tensor": 2}, engines=2, engine_tp=2,
+        why="TP8 with rank-32 adapters on 8 GPUs, 4 dedicated engines of tp 4 -> TP2 (+ SP), 2 engines of tp 2: "
+            "the merged weights pushed"),
     "qwen3_30b_a3b_gsm8k": CpuShrink(
         "qwen3_moe", 4, {"tensor": 2, "expert": 2}, engines=1, engine_tp=2,
         why="TP2 x EP8 x DP8 on 16 GPUs, 8 dedicated engines of tp 2 -> TP2 x EP2 x DP2, 1 engine of tp 2"),
@@ -312,7 +318,11 @@ def test_cluster_recipe_first_step_and_sync_on_cpu(recipe, fleets, tmp_path):
     assert record["rollout/weight_version_min"] == record["rollout/weight_version_max"] == 0
     assert record["actor/logprob_abs_diff_max"] < 1e-4  # step 1 sampled with the pushed start weights
     changed = [n for n, t in run.out["trained"].items() if not t.equal(run.out["initial"][n])]
-    assert len(changed) >= 0.9 * len(run.out["trained"]), "the step moved almost no weights"
+    if load_config(recipe).model.lora.rank:  # the adapters train: exactly the adapted projections move (merged into them)
+        adapted = [n for n in run.out["trained"] if n.rsplit(".", 2)[-2] in LORA_TARGET_MODULES]
+        assert sorted(changed) == sorted(adapted) and adapted, "the merged weights are not the adapted ones"
+    else:
+        assert len(changed) >= 0.9 * len(run.out["trained"]), "the step moved almost no weights"
     stale = engines_hold(run)
     if skip is not None:
         fleets.retire(run.shrink)

@@ -50,7 +50,16 @@ def attach_adapters(model_chunks: Sequence[torch.nn.Module], cfg: ModelArchitect
                 trained = tuple(p for p in target.projections if p in wanted)
                 if trained:
                     adapters.append(_attach(layer, target, trained, cfg, settings))
+        if model.pre_process and model.config.recompute_granularity == "full":
+            model.embedding.register_forward_hook(_embedding_output_requires_grad)
     return adapters
+
+
+def _embedding_output_requires_grad(module, args, output):
+    """Full recompute runs each layer block through megatron's CheckpointFunction, whose output takes part in
+    autograd only if one of its inputs does; with the embedding frozen none would, and the adapters would get
+    no gradient (transformers' enable_input_require_grads answers the same problem)."""
+    return output if output.requires_grad else output.requires_grad_(True)
 
 
 def _attach(layer, target: LinearTarget, trained: tuple[str, ...], cfg: ModelArchitecture,
