@@ -81,7 +81,8 @@ LOCAL_RECIPES = {
     "tiny_cpu_tool": "tests/test_multi_turn.py::test_trainer_logprobs_equal_the_engines_over_multi_turn_trajectories",
     "tiny_cpu_rm": "tests/test_reward_models.py::test_tiny_rm_recipe_learns_the_preferred_property",
     # 3 steps + resume + export here; its learning curve is measured in docs/lora.md (not a CI run)
-    "tiny_cpu_lora": "tests/test_lora.py::test_a_lora_run_trains_the_adapters_against_its_base_resumes_bitwise_and_exports_peft",
+    "tiny_cpu_lora": "tests/test_lora.py::"
+                     "test_a_lora_run_trains_the_adapters_against_its_base_resumes_bitwise_and_exports_peft",
 }
 DEFAULTS_ONLY = {"base"}  # merged into others, never run alone
 # Cluster recipes whose CpuShrink run is another test's: the 8B recipe's is the sbatch test, which
@@ -318,7 +319,7 @@ def test_cluster_recipe_first_step_and_sync_on_cpu(recipe, fleets, tmp_path):
     assert record["rollout/weight_version_min"] == record["rollout/weight_version_max"] == 0
     assert record["actor/logprob_abs_diff_max"] < 1e-4  # step 1 sampled with the pushed start weights
     changed = [n for n, t in run.out["trained"].items() if not t.equal(run.out["initial"][n])]
-    if load_config(recipe).model.lora.rank:  # the adapters train: exactly the adapted projections move (merged into them)
+    if load_config(recipe).model.lora.rank:  # only the adapters train: exactly the adapted projections move
         adapted = [n for n in run.out["trained"] if n.rsplit(".", 2)[-2] in LORA_TARGET_MODULES]
         assert sorted(changed) == sorted(adapted) and adapted, "the merged weights are not the adapted ones"
     else:
