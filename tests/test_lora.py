@@ -209,6 +209,7 @@ def test_the_recipe_vocabulary_is_the_target_table():
     (["model.lora.target_modules=[]"], "model.lora.target_modules is empty"),
     (["ref.model_path=/some/model"], "ref.model_path with model.lora"),
     (["ref.param_offload=true"], "ref.param_offload with model.lora"),
+    (["model.attention_backend=te", "trainer.device=cuda"], "model.lora with model.attention_backend=te"),
 ])
 def test_bad_lora_settings_are_refused_in_one_line(overrides, message):
     from megatron_grpo.config import load_config, validate

@@ -264,6 +264,7 @@ def cpu_overrides(recipe: str, policy: Path, output_dir: Path) -> list[str]:
         # a tiny random model moves visibly in one step only with a large learning rate, from step 1
         "actor.optim.lr=1e-3", "actor.optim.lr_warmup_steps=0",
         "reward.num_workers=2", "trainer.device=cpu", "trainer.total_steps=1",
+        "model.attention_backend=local",  # a recipe's torch_varlen needs CUDA and bf16 (fp32 on CPU here)
         f"rollout.sglang.deterministic_inference={str(shrink.deterministic).lower()}",
         f"logging.output_dir={output_dir}", "logging.plot=false", *shrink.extra]
 

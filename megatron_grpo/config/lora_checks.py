@@ -30,6 +30,9 @@ def lora_problems(c: Config) -> list[str]:
     if model_type is not None and model_type not in LORA_MODEL_TYPES:
         out.append(f"model.lora with model_type {model_type}: adapters on MoE experts and latent attention are "
                    f"not built yet; LoRA runs {', '.join(LORA_MODEL_TYPES)} models")
+    if c.model.attention_backend == "te":
+        out.append("model.lora with model.attention_backend=te: adapters sit beside the local layer spec's linear "
+                   "layers (Transformer Engine's fuse the norm into them); set torch_varlen (CUDA, bf16) or local")
     if c.ref.model_path is not None:
         out.append("ref.model_path with model.lora: the KL reference of a LoRA run is its base with the adapters "
                    "off (no second copy of the weights); unset ref.model_path")

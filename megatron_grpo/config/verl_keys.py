@@ -330,7 +330,20 @@ def _save_contents(value: Any, given: Mapping[str, Any], key: str) -> Translatio
 
 
 def _ref_offload(value: Any, given: Mapping[str, Any], key: str) -> Translation:
+    if _lora_rank(given):  # verl's ref_in_actor: the reference is the actor with its adapters off, as here
+        return Translation({}, "no effect with LoRA: the reference is the policy's base (adapters off), "
+                               "there is no separate copy to offload")
     return Translation({"ref.param_offload": _truthy(value)}) if not str(value).startswith("${") else Translation({})
+
+
+def _lora_rank(given: Mapping[str, Any]) -> int:
+    for key in (f"{MODEL}.lora_rank", f"{MODEL}.lora.rank"):
+        try:
+            if int(given.get(key) or 0) > 0:
+                return int(given[key])
+        except (TypeError, ValueError):
+            continue  # an interpolation or a bad value: reported by its own row
+    return 0
 
 
 def _rollout_is(value: Any, given: Mapping[str, Any], key: str) -> Translation:

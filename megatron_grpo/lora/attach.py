@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_grpo.errors import ConfigError
 from megatron_grpo.lora.adapters import AdapterShape, LoraAdapter, adapters_of
 from megatron_grpo.lora.targets import (TARGETS, LinearTarget, expand_targets, input_width, peft_prefix,
                                        row_groups, rows_per_projection)
@@ -64,9 +65,17 @@ def _embedding_output_requires_grad(module, args, output):
 
 def _attach(layer, target: LinearTarget, trained: tuple[str, ...], cfg: ModelArchitecture,
             settings: LoraSettings) -> LoraAdapter:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
     parent_name, name = target.module.rsplit(".", 1)
     parent = layer.get_submodule(parent_name)
     base = getattr(parent, name)
+    expected = ColumnParallelLinear if target.parallel == "column" else RowParallelLinear
+    if not isinstance(base, expected):  # e.g. TE's LayerNormLinear: its input is the un-normalised hidden state
+        raise ConfigError(f"model.lora: {target.module} is {type(base).__name__}, not megatron's "
+                          f"{expected.__name__}; adapters sit beside the local layer spec's linear layers: set "
+                          "model.attention_backend=torch_varlen (CUDA, bf16) or local (Transformer Engine's fused "
+                          "layers are not supported yet)")
     tp_group = base.tp_group
     tp = torch.distributed.get_world_size(tp_group)
     rows = rows_per_projection(target, cfg)
